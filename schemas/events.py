@@ -1,0 +1,199 @@
+"""The wire contract: every fact that crosses a process boundary is one of these events.
+
+Frozen, tagged msgspec Structs encoded as MessagePack. Token ids and log-probs travel as
+packed little-endian int32 / float32 bytes (cheap to encode, zero-copy numpy views to
+read). Validation that training depends on runs in ``__post_init__``, so a payload that
+decodes is a payload the trainer can use; anything else is a decode error.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+FinishReason = Literal["stop", "length", "abort"]
+Axis = Literal["train", "rollout", "eval"]
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _check_schema(v: int) -> None:
+    if v != SCHEMA_VERSION:
+        raise ValueError(f"unknown schema version {v} (this build reads {SCHEMA_VERSION})")
+
+
+def _check_version(name: str, v: int) -> None:
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+
+
+class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True):
+    """One completion of a prompt: prompt + completion tokens and what the sampler saw."""
+
+    tokens: bytes  # int32 LE: prompt tokens followed by completion tokens
+    logprobs: bytes  # float32 LE: sampler log-prob of each completion token
+    prompt_len: int  # first trained position (per sample: multi-turn prompts differ)
+    reward: float
+    finish_reason: FinishReason
+    version: int  # policy version that sampled this completion (oldest turn if multi-turn)
+    mask: bytes | None = None  # uint8 per completion token, 1 = trained; None = all trained
+
+    def __post_init__(self) -> None:
+        n_tok, rem = divmod(len(self.tokens), 4)
+        n_lp, rem_lp = divmod(len(self.logprobs), 4)
+        if rem or rem_lp:
+            raise ValueError("tokens/logprobs byte length is not a multiple of 4")
+        if not 0 < self.prompt_len < n_tok:
+            raise ValueError(f"prompt_len {self.prompt_len} outside (0, {n_tok}) tokens")
+        if n_lp != n_tok - self.prompt_len:
+            raise ValueError(
+                f"{n_lp} logprobs for {n_tok - self.prompt_len} completion tokens"
+            )
+        if self.mask is not None and len(self.mask) != n_lp:
+            raise ValueError(f"mask has {len(self.mask)} entries for {n_lp} completion tokens")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"reward is not finite: {self.reward}")
+        _check_version("version", self.version)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        prompt_ids,
+        completion_ids,
+        logprobs,
+        reward: float,
+        finish_reason: FinishReason,
+        version: int,
+        mask=None,
+    ) -> Sample:
+        """Pack python/numpy sequences into the wire form."""
+        tokens = np.concatenate(
+            [np.asarray(prompt_ids, TOKEN_DTYPE), np.asarray(completion_ids, TOKEN_DTYPE)]
+        )
+        return cls(
+            tokens=tokens.tobytes(),
+            logprobs=np.asarray(logprobs, LOGPROB_DTYPE).tobytes(),
+            prompt_len=len(prompt_ids),
+            reward=float(reward),
+            finish_reason=finish_reason,
+            version=version,
+            mask=None if mask is None else np.asarray(mask, np.uint8).tobytes(),
+        )
+
+    def token_ids(self) -> np.ndarray:
+        """(T,) int32 view of prompt + completion tokens (read-only, zero copy)."""
+        return np.frombuffer(self.tokens, TOKEN_DTYPE)
+
+    def completion_ids(self) -> np.ndarray:
+        return self.token_ids()[self.prompt_len :]
+
+    def sampler_logprobs(self) -> np.ndarray:
+        """(T - prompt_len,) float32 view of the sampler's log-probs."""
+        return np.frombuffer(self.logprobs, LOGPROB_DTYPE)
+
+    def loss_mask(self) -> np.ndarray:
+        """(T - prompt_len,) float32 weights of completion tokens."""
+        n = len(self.logprobs) // 4
+        if self.mask is None:
+            return np.ones(n, np.float32)
+        return np.frombuffer(self.mask, np.uint8).astype(np.float32)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.logprobs) // 4
+
+
+class TrajectoryGroup(msgspec.Struct, frozen=True, tag="group", kw_only=True):
+    """The G samples of one prompt (a GRPO group), published with one XADD."""
+
+    group_id: str
+    row: int  # dataset row index
+    epoch: int
+    producer_id: str
+    samples: list[Sample]
+    policy_version: int  # oldest version among the samples
+    created_at: float  # when sampling started
+    published_at: float = msgspec.field(default_factory=_now)
+    schema: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        _check_schema(self.schema)
+        if not self.samples:
+            raise ValueError("group has no samples")
+        if not self.group_id:
+            raise ValueError("group_id is empty")
+        _check_version("policy_version", self.policy_version)
+        _check_version("row", self.row)
+        _check_version("epoch", self.epoch)
+        oldest = min(s.version for s in self.samples)
+        if self.policy_version != oldest:
+            raise ValueError(
+                f"policy_version {self.policy_version} != oldest sample version {oldest}"
+            )
+
+    def rewards(self) -> np.ndarray:
+        return np.array([s.reward for s in self.samples], np.float32)
+
+
+class WeightSync(msgspec.Struct, frozen=True, tag="weights", kw_only=True):
+    """A new policy version: where its weights are and how to check them."""
+
+    version: int
+    step: int  # trainer optimizer step that produced these weights
+    uri: str  # file:// URI of a safetensors file (HF layout) or a directory holding one
+    sha256: str
+    at: float = msgspec.field(default_factory=_now)
+    schema: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        _check_schema(self.schema)
+        _check_version("version", self.version)
+        _check_version("step", self.step)
+        if len(self.sha256) != 64:
+            raise ValueError("sha256 must be 64 hex characters")
+
+
+class MetricsEvent(msgspec.Struct, frozen=True, tag="metrics", kw_only=True):
+    """Named scalars at one step of one axis (train step, rollout batch, eval version)."""
+
+    axis: Axis
+    step: int
+    values: dict[str, float]
+    source: str  # "trainer", "producer-<id>", "eval"
+    at: float = msgspec.field(default_factory=_now)
+    schema: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        _check_schema(self.schema)
+        _check_version("step", self.step)
+
+
+class DeadLetter(msgspec.Struct, frozen=True, tag="dead", kw_only=True):
+    """An entry a consumer could not use, kept verbatim with the reason."""
+
+    stream: str
+    entry_id: str
+    raw: bytes
+    reason: str
+    consumer: str = ""
+    at: float = msgspec.field(default_factory=_now)
+    schema: int = SCHEMA_VERSION
+
+
+Event = TrajectoryGroup | WeightSync | MetricsEvent | DeadLetter

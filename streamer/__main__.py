@@ -1,0 +1,5 @@
+import sys
+
+from streamer.cli import main
+
+sys.exit(main())

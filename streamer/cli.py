@@ -1,0 +1,121 @@
+"""`streamer` command line: one role per process, or `up` for all of them on one machine.
+
+Exit codes: 0 done, 1 failed at run time, 2 bad config or arguments, 3 not built yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from streamer.config import RunConfig, load_config, replace
+from streamer.errors import ConfigError, StreamerError
+
+log = logging.getLogger("streamer")
+
+# subcommand -> "module:function(cfg, args) -> int"
+ROLES = {
+    "up": "streamer.up:main",
+    "train": "consumers.trainer:main",
+    "produce": "producers.producer:main",
+    "eval": "consumers.evaluator:main",
+    "metrics": "consumers.exporter:main",
+    "status": "streamer.status:main",
+    "smoke": "streamer.smoke:main",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="streamer", description=__doc__.splitlines()[0])
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def role(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument("--config", help="TOML run config (default: the built-in demo)")
+        sp.add_argument("--redis-url", help="override run.redis_url")
+        sp.add_argument("--run", help="override run.name")
+        sp.add_argument("--data-dir", help="override run.data_dir")
+        return sp
+
+    up = role("up", "run everything on one machine (embedded server unless --redis-url)")
+    up.add_argument("--steps", type=int, help="trainer steps to run (default: the demo's)")
+    up.add_argument("--producers", type=int, default=2, help="producer processes")
+    up.add_argument("--fresh", action="store_true", help="discard the previous run's state")
+    up.add_argument("--no-progress", action="store_true", help="no live progress view")
+
+    tr = role("train", "the trainer consumer")
+    tr.add_argument("--steps", type=int, help="override trainer.steps")
+    pr = role("produce", "a rollout producer")
+    pr.add_argument("--id", help="producer id (default: host-pid)")
+    pr.add_argument("--max-groups", type=int, help="override producer.max_groups")
+    role("eval", "the evaluator")
+    me = role("metrics", "the Prometheus exporter")
+    me.add_argument("--port", type=int, help="override metrics.port")
+    me.add_argument("--host", help="override metrics.host")
+    st = role("status", "streams, lag, versions, producers, dead letters of a run")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    role("smoke", "a round trip of every event type through an embedded server")
+    sub.add_parser("config-doc", help="print the config reference (Markdown)")
+    return p
+
+
+def resolve_config(args: argparse.Namespace) -> RunConfig:
+    cfg = load_config(getattr(args, "config", None))
+    run = {
+        k: v
+        for k, v in (("redis_url", args.redis_url), ("name", args.run), ("data_dir", args.data_dir))
+        if v is not None
+    }
+    try:
+        if run:
+            cfg = replace(cfg, run=run)
+        if getattr(args, "steps", None) is not None:
+            cfg = replace(cfg, trainer={"steps": args.steps})
+        if getattr(args, "max_groups", None) is not None:
+            cfg = replace(cfg, producer={"max_groups": args.max_groups})
+        metrics = {k: getattr(args, k) for k in ("port", "host") if getattr(args, k, None) is not None}
+        if metrics:
+            cfg = replace(cfg, metrics=metrics)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"command line: {e}") from None
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if args.cmd == "config-doc":
+        from streamer.configdoc import render
+
+        print(render())
+        return 0
+    try:
+        cfg = resolve_config(args)
+        module, _, func = ROLES[args.cmd].partition(":")
+        try:
+            entry = getattr(importlib.import_module(module), func)
+        except ModuleNotFoundError as e:
+            if e.name and module.startswith(e.name):
+                print(f"streamer {args.cmd}: not built yet", file=sys.stderr)
+                return 3
+            raise
+        return int(entry(cfg, args) or 0)
+    except ConfigError as e:
+        print(f"streamer {args.cmd}: config error: {e}", file=sys.stderr)
+        return 2
+    except StreamerError as e:
+        print(f"streamer {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

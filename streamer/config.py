@@ -1,0 +1,202 @@
+"""Run configuration: TOML decoded into msgspec Structs.
+
+Each section is a Struct with defaults and a one-line comment per field; unknown keys
+and bad values are a :class:`ConfigError` naming the key (``$.trainer.lr``). Durations
+are seconds. The README's config reference is generated from these classes
+(``streamer config-doc``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from streamer.errors import ConfigError
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    def _positive(self, *names: str, allow_zero: bool = False) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value < 0 or (value == 0 and not allow_zero):
+                bound = ">= 0" if allow_zero else "> 0"
+                raise ValueError(f"`{name}` must be {bound}, got {value}")
+
+
+class RunSection(_Section):
+    name: str = "demo"  # run name; every key lives under streamer:{name}:
+    redis_url: str = ""  # redis://, rediss://, unix://; empty = the embedded server of `up`
+    data_dir: str = ".streamer"  # weights, checkpoints, logs and the embedded server's data
+    seed: int = 0  # base seed for sampling, shuffling and initialisation
+
+
+class ModelSection(_Section):
+    name_or_path: str = "demo"  # HF model id or local path; "demo" = the built-in tiny model
+    tokenizer: str = ""  # tokenizer id or path; empty = same as name_or_path
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights dtype
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    trust_remote_code: bool = False  # allow model code from the hub (off unless asked)
+    chat_template: bool = True  # render with the tokenizer's chat template; false = plain prompt
+
+
+class BusSection(_Section):
+    max_unacked: int = 256  # publishing waits while the trajectory stream holds more unacked
+    backpressure_timeout: float = 600.0  # give up (error) after waiting this long for room
+    block_seconds: float = 2.0  # XREADGROUP/XREAD block time
+    socket_timeout: float = 10.0  # must exceed block_seconds (checked)
+    claim_idle_seconds: float = 60.0  # pending entries idle this long are claimed by others
+    max_deliveries: int = 5  # entries delivered more often go to the dead-letter stream
+    read_count: int = 64  # entries per XREADGROUP
+
+    def __post_init__(self) -> None:
+        self._positive("max_unacked", "backpressure_timeout", "block_seconds", "read_count")
+        self._positive("claim_idle_seconds", "max_deliveries")
+        if self.socket_timeout <= self.block_seconds:
+            raise ValueError(
+                f"`socket_timeout` ({self.socket_timeout}) must exceed "
+                f"`block_seconds` ({self.block_seconds}) or blocking reads time out"
+            )
+
+
+class ProducerSection(_Section):
+    dataset: str = "demo"  # JSONL file of prompts; "demo" = the built-in task
+    group_size: int = 8  # completions per prompt (G)
+    min_group_size: int = 2  # fewer good samples than this: the group is not published
+    max_new_tokens: int = 16  # completion length cap
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling
+    sampler: Literal["local", "remote"] = "local"  # transformers in-process, or an HTTP server
+    remote_url: str = ""  # OpenAI-compatible server base URL (remote sampler)
+    remote_model: str = ""  # model name sent to the server; empty = model.name_or_path
+    remote_timeout: float = 120.0  # per HTTP request
+    remote_retries: int = 3  # bounded retries with backoff
+    remote_concurrency: int = 8  # in-flight requests per producer
+    reload_endpoint: str = "/update_weights_from_disk"  # POSTed on new weights (SGLang)
+    reward: str = "producers.rewards:exact_match"  # import path of (row, text, sample) -> float
+    lease_seconds: float = 60.0  # row lease; renewed while working, expired rows are re-issued
+    epochs: int = 0  # stop after this many passes over the dataset; 0 = forever
+    max_groups: int = 0  # stop after publishing this many groups; 0 = forever
+
+    def __post_init__(self) -> None:
+        self._positive("group_size", "min_group_size", "max_new_tokens", "lease_seconds")
+        self._positive("temperature", "top_p", "remote_timeout", "remote_concurrency")
+        self._positive("remote_retries", "epochs", "max_groups", allow_zero=True)
+        if self.min_group_size > self.group_size:
+            raise ValueError("`min_group_size` must be <= `group_size`")
+        if self.sampler == "remote" and not self.remote_url:
+            raise ValueError("`remote_url` is required when `sampler` is \"remote\"")
+
+
+class TrainerSection(_Section):
+    groups_per_step: int = 8  # accepted groups per optimizer step
+    max_staleness: int = 1  # versions a group may lag the policy; 0 = synchronous on-policy
+    steps: int = 0  # stop after this many steps; 0 = forever
+    lr: float = 1e-5  # AdamW learning rate
+    warmup_steps: int = 0  # linear LR warmup
+    weight_decay: float = 0.01  # AdamW weight decay
+    grad_clip: float = 1.0  # max global grad norm
+    ppo_minibatches: int = 1  # optimizer updates per step
+    eps_low: float = 0.2  # PPO clip: ratio >= 1 - eps_low
+    eps_high: float = 0.2  # PPO clip: ratio <= 1 + eps_high
+    tis_cap: float = 5.0  # truncated importance weight cap against sampler log-probs
+    kl_coef: float = 0.0  # k3 KL to the frozen initial model; 0 = no reference model
+    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"  # loss aggregation
+    std_normalize: bool = True  # divide advantages by the group std (floored)
+    std_floor: float = 1e-4  # floor of the group std
+    overlong: Literal["drop", "mask", "keep"] = "drop"  # samples truncated without EOS
+    user_filter: str = ""  # import path of (group) -> bool; false rejects the group
+    checkpoint_every: int = 10  # steps between checkpoints (and at exit)
+    keep_versions: int = 3  # weight versions kept on disk
+    gradient_checkpointing: bool = False  # trade compute for memory
+
+    def __post_init__(self) -> None:
+        self._positive("groups_per_step", "lr", "grad_clip", "ppo_minibatches", "tis_cap")
+        self._positive("checkpoint_every", "keep_versions", "std_floor")
+        self._positive("max_staleness", "steps", "warmup_steps", "kl_coef", allow_zero=True)
+        self._positive("eps_low", "eps_high", "weight_decay", allow_zero=True)
+
+
+class EvalSection(_Section):
+    dataset: str = "demo"  # held-out JSONL; "demo" = the built-in task's eval split
+    eval_every: int = 1  # evaluate every k-th version
+    max_rows: int = 0  # evaluate at most this many rows; 0 = all
+    max_new_tokens: int = 16  # completion length cap (greedy decoding)
+
+    def __post_init__(self) -> None:
+        self._positive("eval_every", "max_new_tokens")
+        self._positive("max_rows", allow_zero=True)
+
+
+class MetricsSection(_Section):
+    host: str = "127.0.0.1"  # exporter bind address
+    port: int = 9464  # exporter port (/metrics, /healthz)
+    health_interval: float = 5.0  # seconds between stream-health samples
+
+    def __post_init__(self) -> None:
+        self._positive("health_interval")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"`port` must be in 0..65535, got {self.port}")
+
+
+class RunConfig(_Section):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    bus: BusSection = msgspec.field(default_factory=BusSection)
+    producer: ProducerSection = msgspec.field(default_factory=ProducerSection)
+    trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
+    eval: EvalSection = msgspec.field(default_factory=EvalSection)
+    metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.run.data_dir)
+
+
+def load_config(path: str | Path | None) -> RunConfig:
+    """Read a TOML run config; None gives the defaults (the demo)."""
+    if path is None:
+        return RunConfig()
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: bytes | str, *, source: str = "<config>") -> RunConfig:
+    try:
+        return msgspec.toml.decode(raw, type=RunConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {_pretty(str(e))}") from None
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from None
+
+
+def replace(cfg: RunConfig, **sections: dict) -> RunConfig:
+    """Copy ``cfg`` with fields of sections replaced: ``replace(cfg, trainer={"steps": 5})``."""
+    changes = {
+        name: msgspec.structs.replace(getattr(cfg, name), **fields)
+        for name, fields in sections.items()
+    }
+    return msgspec.structs.replace(cfg, **changes)
+
+
+def _pretty(msg: str) -> str:
+    # msgspec says "<text> - at `$.trainer`"; lead with the full key, which people look for
+    text, where = msg, ""
+    if " - at `$." in msg:
+        text, _, where = msg.rpartition(" - at `$.")
+        where = where.rstrip("`")
+    if m := re.match(r"Object contains unknown field `([^`]+)`", text):
+        return f"unknown key `{_join(where, m.group(1))}`"
+    if m := re.match(r"`(\w+)` (.*)", text):  # raised by a section's __post_init__
+        return f"key `{_join(where, m.group(1))}`: {m.group(2)}"
+    return f"key `{where}`: {text}" if where else text
+
+
+def _join(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key

@@ -1,0 +1,97 @@
+"""The built-in demo task: single-digit modular addition, learnable by RL on 2 CPU cores.
+
+A prompt is ``a+b=`` (a user turn rendered with a chat template); the right answer is
+``(a+b) mod 10``. The tokenizer is built in code (one token per character plus a few
+specials), the model is a tiny Qwen2 built from a config, so nothing is downloaded. An
+untrained model answers at chance level; reward is 1 for the right digit.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+DEMO = "demo"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHARS = list("0123456789+=")
+
+
+def rows(split: str = "train") -> list[dict]:
+    """Dataset rows: every (a, b) pair; the eval split is the same 100 prompts, greedy."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"unknown demo split {split!r}")
+    return [
+        {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str((a + b) % 10)}
+        for a in range(10)
+        for b in range(10)
+    ]
+
+
+def reward(row: dict, text: str, sample=None) -> float:
+    """1.0 when the completion is exactly the right digit, else 0.0."""
+    return 1.0 if text.strip() == row["answer"] else 0.0
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer():
+    """A character-level PreTrainedTokenizerFast with a chat template; ``<|end|>`` is EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|end|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def model_config():
+    """A ~100k-parameter Qwen2 config sized for the demo vocabulary."""
+    from transformers import Qwen2Config
+
+    tok = tokenizer()
+    return Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
+
+
+def build_model(seed: int = 0):
+    """The untrained demo model, deterministic for a seed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(model_config())
+    return model
+
+
+def save(directory: str | Path, seed: int = 0) -> Path:
+    """Write the demo model and tokenizer in HF layout (for tools that want a path)."""
+    directory = Path(directory)
+    build_model(seed).save_pretrained(directory)
+    tokenizer().save_pretrained(directory)
+    return directory

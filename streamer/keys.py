@@ -1,0 +1,74 @@
+"""Every Redis key of a run, in one place. All live under ``streamer:{run}:``."""
+
+from __future__ import annotations
+
+import re
+
+_RUN_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+# consumer groups
+TRAINER_GROUP = "trainer"
+METRICS_GROUP = "metrics"  # the exporter's group on the metrics stream
+ROLLOUT_AUDIT_GROUP = "exporter"  # reserved for an archiver / auditor on traj
+
+
+class Keys:
+    """Names of the streams and counters of one run."""
+
+    def __init__(self, run: str):
+        if not _RUN_RE.match(run):
+            raise ValueError(f"run name {run!r} must match {_RUN_RE.pattern}")
+        self.run = run
+        self.prefix = f"streamer:{run}"
+
+    def _k(self, name: str) -> str:
+        return f"{self.prefix}:{name}"
+
+    # streams
+    @property
+    def traj(self) -> str:
+        return self._k("traj")  # TrajectoryGroup, read by group "trainer"
+
+    @property
+    def policy(self) -> str:
+        return self._k("policy")  # WeightSync, read with plain XREAD
+
+    @property
+    def metrics(self) -> str:
+        return self._k("metrics")  # MetricsEvent, read by group "metrics"
+
+    @property
+    def dead(self) -> str:
+        return self._k("dead")  # DeadLetter
+
+    # counters and sets
+    @property
+    def cursor(self) -> str:
+        return self._k("cursor")  # INCR: next global row ticket
+
+    @property
+    def leases(self) -> str:
+        return self._k("leases")  # ZSET ticket -> lease expiry (unix seconds)
+
+    @property
+    def lease_owner(self) -> str:
+        return self._k("lease_owner")  # HASH ticket -> producer id
+
+    @property
+    def requeue(self) -> str:
+        return self._k("requeue")  # LIST of tickets whose lease expired, handed out first
+
+    @property
+    def admitted(self) -> str:
+        return self._k("admitted")  # groups admitted and not released
+
+    @property
+    def version(self) -> str:
+        return self._k("version")  # current policy version (mirrors the policy stream)
+
+    @property
+    def producers(self) -> str:
+        return self._k("producers")  # ZSET producer id -> last heartbeat (unix seconds)
+
+    def all_keys_pattern(self) -> str:
+        return f"{self.prefix}:*"

