@@ -151,8 +151,26 @@ class RunConfig(_Section):
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
 
     @property
-    def data_dir(self) -> Path:
-        return Path(self.run.data_dir)
+    def run_dir(self) -> Path:
+        """Everything this run keeps on disk: {data_dir}/{run name}/."""
+        return Path(self.run.data_dir) / self.run.name
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.run_dir / "weights"  # one directory per policy version
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+    def require_redis_url(self) -> str:
+        if not self.run.redis_url:
+            raise ConfigError("`run.redis_url` is empty: set it, pass --redis-url, or use `streamer up`")
+        return self.run.redis_url
 
 
 def load_config(path: str | Path | None) -> RunConfig:

@@ -67,6 +67,14 @@ class Keys:
         return self._k("version")  # current policy version (mirrors the policy stream)
 
     @property
+    def limits(self) -> str:
+        return self._k("limits")  # HASH max_staleness, groups_per_step (written by the trainer)
+
+    @property
+    def rollout_step(self) -> str:
+        return self._k("rollout_step")  # INCR per published group: the rollout step axis
+
+    @property
     def producers(self) -> str:
         return self._k("producers")  # ZSET producer id -> last heartbeat (unix seconds)
 

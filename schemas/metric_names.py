@@ -1,0 +1,69 @@
+"""The metric names each axis publishes in ``MetricsEvent.values`` (part of the contract).
+
+The exporter serves ``streamer_{axis}_{name}`` for every name here; ``counter`` values are
+per-event increments it sums into ``streamer_{axis}_{name}_total``, ``gauge`` values are
+the latest reading. Names use base units (seconds, ratios 0-1). Names not listed are still
+exported (sanitised) but dashboards may only use listed ones.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Kind = Literal["gauge", "counter"]
+
+REJECT_REASONS = ("stale", "zero_variance", "too_few_samples", "overlong", "user_filter")
+
+TRAIN: dict[str, tuple[Kind, str]] = {
+    "loss": ("gauge", "total loss of the step"),
+    "policy_loss": ("gauge", "PPO policy loss"),
+    "kl": ("gauge", "k3 KL to the reference model"),
+    "entropy": ("gauge", "mean token entropy of the policy on trained tokens"),
+    "clip_fraction": ("gauge", "ratio of trained tokens whose PPO ratio was clipped"),
+    "is_weight_mean": ("gauge", "mean truncated importance weight"),
+    "is_weight_max": ("gauge", "max importance weight before truncation"),
+    "grad_norm": ("gauge", "global gradient norm before clipping"),
+    "lr": ("gauge", "learning rate"),
+    "tokens_per_second": ("gauge", "trained tokens per second of step time"),
+    "step_seconds": ("gauge", "wall time of the optimizer step"),
+    "data_wait_seconds": ("gauge", "time the step waited for data"),
+    "staleness_mean": ("gauge", "mean version lag of the batch's groups"),
+    "staleness_max": ("gauge", "max version lag of the batch's groups"),
+    "reward_mean": ("gauge", "mean reward of the trained groups"),
+    "version": ("gauge", "policy version after the step"),
+    "weight_sync_seconds": ("gauge", "time to write and publish the new weights"),
+    "groups_accepted": ("counter", "groups trained"),
+    "tokens": ("counter", "trained tokens"),
+    **{f"groups_rejected_{r}": ("counter", f"groups rejected: {r.replace('_', ' ')}") for r in REJECT_REASONS},
+}
+
+ROLLOUT: dict[str, tuple[Kind, str]] = {
+    "reward_mean": ("gauge", "mean reward of the group"),
+    "accuracy": ("gauge", "ratio of samples with reward > 0"),
+    "response_length_mean": ("gauge", "mean completion tokens"),
+    "response_length_min": ("gauge", "min completion tokens"),
+    "response_length_max": ("gauge", "max completion tokens"),
+    "truncated_ratio": ("gauge", "ratio of samples stopped by the length cap"),
+    "version_offset": ("gauge", "current version minus the version that sampled the group"),
+    "sample_seconds": ("gauge", "time to sample the group"),
+    "admission_wait_seconds": ("gauge", "time the group waited for an admission slot"),
+    "backpressure_wait_seconds": ("gauge", "time publishing waited for the trainer"),
+    "groups": ("counter", "groups published"),
+    "samples": ("counter", "samples published"),
+    "tokens": ("counter", "completion tokens published"),
+    "sample_failures": ("counter", "samples whose reward function raised"),
+    "groups_dropped": ("counter", "groups not published: fewer than min_group_size good samples"),
+    "weight_loads": ("counter", "weight versions loaded"),
+    "weight_load_errors": ("counter", "weight versions that could not be loaded"),
+    "weight_load_seconds": ("gauge", "time to load the newest weights"),
+}
+
+EVAL: dict[str, tuple[Kind, str]] = {
+    "reward_mean": ("gauge", "mean reward on the held-out set"),
+    "accuracy": ("gauge", "ratio of held-out rows with reward > 0"),
+    "response_length_mean": ("gauge", "mean completion tokens"),
+    "rows": ("gauge", "rows evaluated"),
+    "eval_seconds": ("gauge", "time the evaluation took"),
+}
+
+AXES: dict[str, dict[str, tuple[Kind, str]]] = {"train": TRAIN, "rollout": ROLLOUT, "eval": EVAL}
