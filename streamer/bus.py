@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import msgspec
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
@@ -77,6 +78,7 @@ def connect(
             retry_on_error=list(TRANSIENT),
             health_check_interval=30,
             client_name=name,
+            protocol=2,  # RESP2 on every redis-py version and server (the shapes we parse)
         )
     except ValueError as e:
         raise ConfigError(f"redis URL {redact(url)!r}: {e}") from None
@@ -273,17 +275,19 @@ class Consumer(Generic[T]):
             if not fields:  # deleted while pending (history read): nothing to deliver
                 self.ack([entry_id])
                 continue
-            payload = fields.get(FIELD, b"")
+            payload = fields.get(FIELD)
             n = counts.get(entry_id, 1)
-            if n > self.cfg.max_deliveries:
+            if payload is None:
+                dead.append((entry_id, _flatten(fields), "entry has no `d` field"))
+            elif n > self.cfg.max_deliveries:
                 dead.append((entry_id, payload, f"delivered {n} times (max {self.cfg.max_deliveries})"))
-                continue
-            try:
-                event = decode(payload, self.as_type)
-            except DecodeError as e:
-                dead.append((entry_id, payload, e.reason))
-                continue
-            out.append(Delivery(entry_id, event, n, len(payload)))
+            else:
+                try:
+                    event = decode(payload, self.as_type)
+                except DecodeError as e:
+                    dead.append((entry_id, payload, e.reason))
+                else:
+                    out.append(Delivery(entry_id, event, n, len(payload)))
         if dead:
             self._dead_letter(dead)
         return out
@@ -331,7 +335,7 @@ def trim_acked(client: redis.Redis, stream: str) -> int:
     ms, seq = min(cuts)
     if (ms, seq) <= (0, 1):
         return 0
-    return int(client.xtrim(stream, minid=f"{ms}-{seq}"))
+    return int(client.xtrim(stream, minid=f"{ms}-{seq}", approximate=False))
 
 
 # ---------------------------------------------------------------- plain readers
@@ -378,6 +382,14 @@ class Tail(Generic[T]):
 
 def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
+
+
+encode_raw = msgspec.msgpack.Encoder().encode
+
+
+def _flatten(fields: dict) -> bytes:
+    """An entry's fields as msgpack, for a dead letter of an entry without a payload."""
+    return encode_raw({_s(k): bytes(v) for k, v in fields.items()})
 
 
 def _parse_id(entry_id: str) -> tuple[int, int]:

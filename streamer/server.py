@@ -102,8 +102,8 @@ class EmbeddedServer:
                     raise ServerError(
                         f"valkey-server exited with code {self.proc.returncode}: {tail.strip()}"
                     )
-                try:
-                    if client.ping():
+                try:  # answered by our process, not another server on the port?
+                    if int(client.info("server")["process_id"]) == self.proc.pid:
                         break
                 except redis.exceptions.BusyLoadingError:
                     pass
