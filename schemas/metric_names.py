@@ -44,6 +44,7 @@ ROLLOUT: dict[str, tuple[Kind, str]] = {
     "response_length_min": ("gauge", "min completion tokens"),
     "response_length_max": ("gauge", "max completion tokens"),
     "truncated_ratio": ("gauge", "ratio of samples stopped by the length cap"),
+    "policy_version": ("gauge", "oldest policy version that sampled the group"),
     "version_offset": ("gauge", "current version minus the version that sampled the group"),
     "sample_seconds": ("gauge", "time to sample the group"),
     "admission_wait_seconds": ("gauge", "time the group waited for an admission slot"),

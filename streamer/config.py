@@ -111,10 +111,15 @@ class TrainerSection(_Section):
     checkpoint_every: int = 10  # steps between checkpoints (and at exit)
     keep_versions: int = 3  # weight versions kept on disk
     gradient_checkpointing: bool = False  # trade compute for memory
+    min_group_size: int = 2  # fewer samples (after dropping over-long ones) rejects the group
+    micro_batch_size: int = 0  # samples per forward/backward (grad accumulation); 0 = whole minibatch
+    keep_checkpoints: int = 2  # full checkpoints kept; older ones keep only their audit metadata
 
     def __post_init__(self) -> None:
         self._positive("groups_per_step", "lr", "grad_clip", "ppo_minibatches", "tis_cap")
         self._positive("checkpoint_every", "keep_versions", "std_floor")
+        self._positive("min_group_size", "keep_checkpoints")
+        self._positive("micro_batch_size", allow_zero=True)
         self._positive("max_staleness", "steps", "warmup_steps", "kl_coef", allow_zero=True)
         self._positive("eps_low", "eps_high", "weight_decay", allow_zero=True)
 
@@ -134,9 +139,10 @@ class MetricsSection(_Section):
     host: str = "127.0.0.1"  # exporter bind address
     port: int = 9464  # exporter port (/metrics, /healthz)
     health_interval: float = 5.0  # seconds between stream-health samples
+    stall_seconds: float = 300.0  # `status` exits 1: no new version this long while groups wait
 
     def __post_init__(self) -> None:
-        self._positive("health_interval")
+        self._positive("health_interval", "stall_seconds")
         if not 0 <= self.port < 65536:
             raise ValueError(f"`port` must be in 0..65535, got {self.port}")
 
@@ -174,9 +180,11 @@ class RunConfig(_Section):
 
 
 def load_config(path: str | Path | None) -> RunConfig:
-    """Read a TOML run config; None gives the defaults (the demo)."""
+    """Read a TOML run config; None gives the built-in demo's config."""
     if path is None:
-        return RunConfig()
+        from streamer import demo
+
+        return demo.config()
     path = Path(path)
     try:
         raw = path.read_bytes()

@@ -20,6 +20,22 @@ SPECIALS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|
 CHARS = list("0123456789+=")
 
 
+STEPS = 60  # trainer steps of `streamer up` with no arguments
+
+
+def config():
+    """The run config of the demo: what `streamer up` (and every role) uses with no --config."""
+    from streamer.config import RunConfig, replace
+
+    return replace(
+        RunConfig(),
+        producer={"group_size": 8, "max_new_tokens": 3, "reward": "streamer.demo:reward"},
+        trainer={"steps": STEPS, "groups_per_step": 8, "lr": 3e-3, "max_staleness": 1,
+                 "checkpoint_every": 10},
+        eval={"eval_every": 5, "max_new_tokens": 3},
+    )  # fmt: skip
+
+
 def rows(split: str = "train") -> list[dict]:
     """Dataset rows: every (a, b) pair; the eval split is the same 100 prompts, greedy."""
     if split not in ("train", "eval"):

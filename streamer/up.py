@@ -1,0 +1,204 @@
+"""`streamer up`: the whole system on one machine, each role its own OS process.
+
+Starts the embedded Valkey server (unless ``--redis-url``), then the metrics exporter,
+the trainer, the evaluator and N producers, all through the same entry points as
+``streamer train|produce|eval|metrics``. It prints a live progress view, and when the
+trainer has finished its steps it stops the rest in order and prints a summary.
+Running it again in the same data directory resumes the run; ``--fresh`` starts over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from streamer.bus import connect, redact
+from streamer.config import RunConfig, replace
+from streamer.keys import Keys
+from streamer.progress import Progress
+from streamer.server import EmbeddedServer, free_port
+
+log = logging.getLogger(__name__)
+
+GRACE_SECONDS = 30.0  # per child, after SIGTERM, before SIGKILL
+FINAL_EVAL_WAIT = 60.0  # how long to wait for the evaluation of the final version
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    stopping: bool = False
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True,  # Ctrl-C reaches `up`, which stops us in order
+            )  # fmt: skip
+
+    def exited(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def stop(self, grace: float = GRACE_SECONDS) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.exited()
+        self.stopping = True
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0fs; killing it", self.name, grace)
+            self.proc.kill()
+            return self.proc.wait()
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return "".join(
+                    line.decode(errors="replace") for line in deque(f, maxlen=lines)
+                )
+        except OSError:
+            return ""
+
+
+@dataclass
+class Stack:
+    """The children of one `up`, in start order; stopped in the order that loses nothing."""
+
+    children: dict[str, Child] = field(default_factory=dict)
+    server: EmbeddedServer | None = None
+
+    STOP_ORDER = ("produce", "eval", "train", "metrics")
+
+    def stop_all(self) -> None:
+        for kind in self.STOP_ORDER:
+            group = [c for n, c in self.children.items() if n.startswith(kind)]
+            threads = [threading.Thread(target=c.stop) for c in group]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if self.server:
+            self.server.stop()
+
+    def failed(self) -> Child | None:
+        for c in self.children.values():
+            code = c.exited()
+            if code not in (None, 0) and not c.stopping:
+                return c
+        return None
+
+
+def _role_argv(cmd: str, cfg: RunConfig, args, *extra: str) -> list[str]:
+    argv = [sys.executable, "-m", "streamer", "--log-level", args.log_level, cmd]
+    if args.config:
+        argv += ["--config", args.config]
+    argv += ["--redis-url", cfg.run.redis_url, "--run", cfg.run.name, "--data-dir", cfg.run.data_dir]
+    return argv + list(extra)
+
+
+def _metrics_port(cfg: RunConfig) -> int:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((cfg.metrics.host, cfg.metrics.port))
+            return cfg.metrics.port
+        except OSError:
+            port = free_port()
+            log.info("port %d is taken; serving /metrics on %d", cfg.metrics.port, port)
+            return port
+
+
+def _fresh(cfg: RunConfig, embedded: bool) -> None:
+    if cfg.run_dir.exists():
+        shutil.rmtree(cfg.run_dir)
+    if embedded:
+        shutil.rmtree(Path(cfg.run.data_dir) / "valkey", ignore_errors=True)
+    else:
+        client = connect(cfg.run.redis_url)
+        for key in client.scan_iter(match=Keys(cfg.run.name).all_keys_pattern(), count=1000):
+            client.delete(key)
+
+
+def main(cfg: RunConfig, args) -> int:
+    started = time.monotonic()
+    embedded = not cfg.run.redis_url
+    data_dir = Path(cfg.run.data_dir).resolve()
+    cfg = replace(cfg, run={"data_dir": str(data_dir)})
+    if args.fresh:
+        _fresh(cfg, embedded)
+    stack = Stack()
+    if embedded:
+        stack.server = EmbeddedServer(data_dir / "valkey").start()
+        cfg = replace(cfg, run={"redis_url": stack.server.url})
+    connect(cfg.run.redis_url)  # one clear line now if the server is unusable
+    port = _metrics_port(cfg)
+    steps = cfg.trainer.steps
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    logs = cfg.log_dir
+    specs = [("metrics", _role_argv("metrics", cfg, args, "--port", str(port)))]
+    specs.append(("train", _role_argv("train", cfg, args, *(["--steps", str(args.steps)] if args.steps else []))))
+    specs.append(("eval", _role_argv("eval", cfg, args)))
+    specs += [
+        (f"produce-{i}", _role_argv("produce", cfg, args, "--id", f"p{i}"))
+        for i in range(args.producers)
+    ]
+    for name, argv in specs:
+        stack.children[name] = Child(name, argv, logs / f"{name}.log")
+        stack.children[name].start(env)
+    print(
+        f"streamer up: run {cfg.run.name!r} on {redact(cfg.run.redis_url)}; "
+        f"{args.producers} producers; /metrics on http://{cfg.metrics.host}:{port}/metrics; "
+        f"logs in {logs}",
+        flush=True,
+    )
+    stop_requested = threading.Event()
+
+    def on_signal(signum, frame):
+        stop_requested.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    progress = Progress(cfg, target_steps=args.steps or steps, live=not args.no_progress)
+    code = 0
+    try:
+        code = _supervise(stack, progress, stop_requested)
+        if code == 0 and not stop_requested.is_set():
+            progress.wait_for_eval(progress.version(), FINAL_EVAL_WAIT, stop_requested)
+    finally:
+        print("\nstreamer up: stopping (producers, evaluator, trainer, exporter, server) ...", flush=True)
+        stack.stop_all()
+        for s, h in old.items():
+            signal.signal(s, h)
+    failed = stack.failed()
+    if failed is not None:
+        code = 1
+        print(f"\nstreamer up: {failed.name} exited with code {failed.exited()}; last lines of "
+              f"{failed.log_path}:\n{failed.tail()}", file=sys.stderr)  # fmt: skip
+    print(progress.summary(time.monotonic() - started, cfg.weights_dir))
+    return 130 if stop_requested.is_set() and code == 0 else code
+
+
+def _supervise(stack: Stack, progress: Progress, stop: threading.Event) -> int:
+    trainer = stack.children["train"]
+    while not stop.is_set():
+        if stack.failed() is not None:
+            return 1
+        if trainer.exited() == 0:
+            return 0
+        progress.tick()
+        stop.wait(1.0)
+    return 0
