@@ -1,0 +1,321 @@
+"""`streamer status`: one look at a run's streams, policy, producers and dead letters.
+
+:func:`snapshot` reads everything in one pipelined round trip (plus one per consumer
+group whose lag the server cannot report); the metrics exporter samples stream health
+with the same function, so the table and the Prometheus series never disagree.
+
+A run is *stalled* when trajectory groups wait for the trainer (its group's lag plus
+pending is above zero) and no new policy version has appeared for
+``metrics.stall_seconds`` (measured from the newest ``WeightSync``, or from the first
+trajectory entry when there is none yet). ``main`` then exits 1, so scripts and cron
+jobs can act on it. A finished run whose trainer stopped with groups still queued also
+reads as stalled: nothing consumes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+
+import msgspec
+import redis
+
+from schemas import DeadLetter, DecodeError, WeightSync, decode
+from streamer.bus import FIELD, connect, redact
+from streamer.config import RunConfig
+from streamer.keys import TRAINER_GROUP, Keys
+
+LIVE_SECONDS = 15.0  # a producer whose last heartbeat is newer than this is live
+RATE_WINDOW = 10  # policy versions the trainer step rate is measured over
+SHOWN_PRODUCERS = 50  # newest heartbeats listed (the live count covers all of them)
+
+
+class GroupInfo(msgspec.Struct, kw_only=True):
+    name: str
+    consumers: int
+    pending: int  # delivered, not acknowledged
+    lag: int  # never delivered
+    entries_read: int | None  # server counter (7.0+); None when unknown
+
+
+class StreamInfo(msgspec.Struct, kw_only=True):
+    name: str  # short name: traj, policy, metrics, dead
+    key: str
+    length: int
+    entries_added: int  # every XADD ever, trimmed or not (server counter)
+    last_entry_at: float | None  # unix time from the newest entry id
+    first_entry_at: float | None
+    groups: list[GroupInfo]
+
+
+class PolicyInfo(msgspec.Struct, kw_only=True):
+    version: int
+    step: int
+    at: float
+    age_seconds: float
+    uri: str
+
+
+class ProducerInfo(msgspec.Struct, kw_only=True):
+    id: str
+    last_beat: float
+    age_seconds: float
+    live: bool
+
+
+class DeadEntry(msgspec.Struct, kw_only=True):
+    at: float
+    stream: str
+    entry_id: str
+    consumer: str
+    reason: str
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    run: str
+    redis_url: str  # password redacted
+    at: float
+    streams: list[StreamInfo]
+    policy: PolicyInfo | None
+    step_rate: float | None  # trainer steps per second over the last versions
+    live_producers: int
+    known_producers: int
+    producers: list[ProducerInfo]  # newest heartbeats first
+    dead_letters: int  # total ever written
+    dead_last: list[DeadEntry]  # newest first
+    admitted: int  # admission slots held (groups admitted and not released)
+    limits: dict[str, int]  # as written by the trainer: max_staleness, groups_per_step
+    waiting_groups: int  # trajectory entries the trainer group has not acknowledged
+    stalled: bool = False
+    reasons: list[str] = []
+
+    def stream(self, name: str) -> StreamInfo:
+        return next(s for s in self.streams if s.name == name)
+
+
+def stream_keys(keys: Keys) -> dict[str, str]:
+    return {"traj": keys.traj, "policy": keys.policy, "metrics": keys.metrics, "dead": keys.dead}
+
+
+def snapshot(
+    client: redis.Redis,
+    keys: Keys,
+    *,
+    redis_url: str = "",
+    now: float | None = None,
+    stall_seconds: float = 300.0,
+    dead_last: int = 5,
+) -> Snapshot:
+    """Read the run's health from the server; ``stalled``/``reasons`` filled in."""
+    now = time.time() if now is None else now
+    named = stream_keys(keys)
+    pipe = client.pipeline(transaction=False)
+    for key in named.values():
+        pipe.xinfo_stream(key)
+        pipe.xinfo_groups(key)
+    pipe.xrevrange(keys.policy, count=RATE_WINDOW)
+    pipe.zrevrange(keys.producers, 0, SHOWN_PRODUCERS - 1, withscores=True)
+    pipe.zcount(keys.producers, now - LIVE_SECONDS, "+inf")
+    pipe.zcard(keys.producers)
+    pipe.xrevrange(keys.dead, count=dead_last)
+    pipe.get(keys.admitted)
+    pipe.hgetall(keys.limits)
+    res = pipe.execute(raise_on_error=False)
+    for r in res:
+        if isinstance(r, Exception) and not _missing(r):
+            raise r
+    streams = [
+        _stream(client, name, key, res[2 * i], res[2 * i + 1]) for i, (name, key) in enumerate(named.items())
+    ]
+    policy_rows, beats, live, known, dead_rows, admitted, limits = res[2 * len(named) :]
+    syncs = _decode_rows(policy_rows, WeightSync)
+    snap = Snapshot(
+        run=keys.run,
+        redis_url=redis_url,
+        at=now,
+        streams=streams,
+        policy=_policy(syncs[0], now) if syncs else None,
+        step_rate=_step_rate(syncs),
+        live_producers=int(live),
+        known_producers=int(known),
+        producers=[
+            ProducerInfo(id=_s(m), last_beat=float(t), age_seconds=max(0.0, now - t), live=now - t <= LIVE_SECONDS)
+            for m, t in beats
+        ],
+        dead_letters=streams[3].entries_added,
+        dead_last=[_dead(d) for d in _decode_rows(dead_rows, DeadLetter)],
+        admitted=int(admitted or 0),
+        limits={_s(k): int(v) for k, v in (limits or {}).items()},
+        waiting_groups=_waiting(streams[0]),
+    )
+    snap.reasons = stall_reasons(snap, stall_seconds=stall_seconds)
+    snap.stalled = bool(snap.reasons)
+    return snap
+
+
+def stall_reasons(snap: Snapshot, *, stall_seconds: float) -> list[str]:
+    """Why the run looks stalled (empty: it does not)."""
+    if snap.waiting_groups == 0:
+        return []
+    since = snap.policy.at if snap.policy else snap.stream("traj").first_entry_at
+    if since is None or snap.at - since <= stall_seconds:
+        return []
+    what = f"policy version {snap.policy.version}" if snap.policy else "a first policy version"
+    return [
+        f"no new policy version for {_age(snap.at - since)} (last: {what}) while "
+        f"{snap.waiting_groups} trajectory groups wait for the trainer (stall_seconds={stall_seconds:g})"
+    ]
+
+
+def _stream(client: redis.Redis, name: str, key: str, info, groups) -> StreamInfo:
+    if isinstance(info, Exception):  # no such key
+        info, groups = {}, []
+    if isinstance(groups, Exception):
+        groups = []
+    last, first = info.get("last-entry"), info.get("first-entry")
+    return StreamInfo(
+        name=name,
+        key=key,
+        length=int(info.get("length", 0)),
+        entries_added=int(info.get("entries-added", info.get("length", 0))),
+        last_entry_at=_id_time(last[0]) if last else None,
+        first_entry_at=_id_time(first[0]) if first else None,
+        groups=[_group(client, key, g) for g in groups],
+    )
+
+
+def _group(client: redis.Redis, key: str, g: dict) -> GroupInfo:
+    lag = g.get("lag")
+    if lag is None:  # the server cannot tell after some deletions: count what follows
+        after = f"({_s(g['last-delivered-id'])}"
+        lag = len(client.xrange(key, min=after, count=1_000_000))
+    read = g.get("entries-read")
+    return GroupInfo(
+        name=_s(g["name"]),
+        consumers=int(g["consumers"]),
+        pending=int(g["pending"]),
+        lag=int(lag),
+        entries_read=None if read is None else int(read),
+    )
+
+
+def _waiting(traj: StreamInfo) -> int:
+    for g in traj.groups:
+        if g.name == TRAINER_GROUP:
+            return g.pending + g.lag
+    return traj.length  # no trainer has joined yet: everything waits
+
+
+def _policy(sync: WeightSync, now: float) -> PolicyInfo:
+    return PolicyInfo(
+        version=sync.version, step=sync.step, at=sync.at, age_seconds=max(0.0, now - sync.at), uri=sync.uri
+    )
+
+
+def _step_rate(syncs: Sequence[WeightSync]) -> float | None:
+    """Steps per second between the oldest and newest of the recent versions (newest first)."""
+    if len(syncs) < 2:
+        return None
+    steps, seconds = syncs[0].step - syncs[-1].step, syncs[0].at - syncs[-1].at
+    return steps / seconds if seconds > 0 and steps >= 0 else None
+
+
+def _dead(d: DeadLetter) -> DeadEntry:
+    stream = d.stream.rpartition(":")[2] or d.stream
+    return DeadEntry(at=d.at, stream=stream, entry_id=d.entry_id, consumer=d.consumer, reason=d.reason)
+
+
+def _decode_rows(rows, as_type) -> list:
+    out = []
+    for _, fields in rows if isinstance(rows, list) else []:
+        try:
+            out.append(decode(fields.get(FIELD, b""), as_type))
+        except DecodeError:
+            continue  # status reports what it can read; the bus dead-letters the rest
+    return out
+
+
+def _missing(e: Exception) -> bool:
+    return isinstance(e, redis.exceptions.ResponseError) and "no such key" in str(e).lower()
+
+
+def _id_time(entry_id) -> float:
+    return int(_s(entry_id).partition("-")[0]) / 1000.0
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> list[str]:
+    cells = [list(map(str, headers))] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+
+
+def render(snap: Snapshot) -> str:
+    """The human view: a few short tables, one screen."""
+    p = snap.policy
+    rate = "-" if snap.step_rate is None else f"{snap.step_rate:.3g} steps/s"
+    lines = [f"run {snap.run} on {snap.redis_url}"]
+    if p:
+        lines.append(f"policy      version {p.version} (step {p.step}), {_age(p.age_seconds)} ago; trainer {rate}")
+    else:
+        lines.append("policy      no version published yet")
+    limit = ""
+    if {"max_staleness", "groups_per_step"} <= snap.limits.keys():
+        ver = p.version if p else 0
+        limit = f" of {(snap.limits['max_staleness'] + ver + 1) * snap.limits['groups_per_step']}"
+    lines.append(f"admission   {snap.admitted}{limit} slots held; {snap.waiting_groups} groups wait for the trainer")
+    lines.append("streams")
+    rows = []
+    for s in snap.streams:
+        for i, g in enumerate(s.groups or [None]):
+            head = (s.name, s.length, s.entries_added) if i == 0 else ("", "", "")
+            rows.append((*head, *((g.name, g.lag, g.pending, g.consumers) if g else ("-", "", "", ""))))
+    lines += _table(("STREAM", "LENGTH", "ADDED", "GROUP", "LAG", "PENDING", "CONSUMERS"), rows)
+    lines.append(f"producers   {snap.live_producers} live of {snap.known_producers} known")
+    if snap.producers:
+        lines += _table(
+            ("PRODUCER", "LAST BEAT", "STATE"),
+            [(q.id, f"{_age(q.age_seconds)} ago", "live" if q.live else "gone") for q in snap.producers],
+        )
+    lines.append(f"dead letters {snap.dead_letters}")
+    if snap.dead_last:
+        lines += _table(
+            ("WHEN", "STREAM", "ENTRY", "REASON"),
+            [(f"{_age(snap.at - d.at)} ago", d.stream, d.entry_id, d.reason[:100]) for d in snap.dead_last],
+        )
+    lines.append("STALLED: " + "; ".join(snap.reasons) if snap.stalled else "status      ok")
+    return "\n".join(lines)
+
+
+def main(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """Print the run's status; exit 1 when it looks stalled."""
+    url = cfg.require_redis_url()
+    client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-status")
+    try:
+        snap = snapshot(
+            client, Keys(cfg.run.name), redis_url=redact(url), stall_seconds=cfg.metrics.stall_seconds
+        )
+    finally:
+        client.close()
+    if getattr(args, "json", False):
+        print(msgspec.json.format(msgspec.json.encode(snap), indent=2).decode())
+    else:
+        print(render(snap))
+    return 1 if snap.stalled else 0
