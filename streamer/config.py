@@ -75,15 +75,21 @@ class ProducerSection(_Section):
     remote_retries: int = 3  # bounded retries with backoff
     remote_concurrency: int = 8  # in-flight requests per producer
     reload_endpoint: str = "/update_weights_from_disk"  # POSTed on new weights (SGLang)
-    reward: str = "producers.rewards:exact_match"  # import path of (row, text, sample) -> float
+    reward: str = ""  # "module:function" (row, text, sample) -> float; "" = demo reward / exact_match
     lease_seconds: float = 60.0  # row lease; renewed while working, expired rows are re-issued
     epochs: int = 0  # stop after this many passes over the dataset; 0 = forever
     max_groups: int = 0  # stop after publishing this many groups; 0 = forever
+    shutdown_grace: float = 30.0  # on SIGTERM: finish or hand back the current row within this
+    torch_threads: int = 0  # torch CPU threads of a local sampler; 0 = torch's default
 
     def __post_init__(self) -> None:
         self._positive("group_size", "min_group_size", "max_new_tokens", "lease_seconds")
         self._positive("temperature", "top_p", "remote_timeout", "remote_concurrency")
         self._positive("remote_retries", "epochs", "max_groups", allow_zero=True)
+        self._positive("shutdown_grace")
+        self._positive("torch_threads", allow_zero=True)
+        if self.top_p > 1:
+            raise ValueError(f"`top_p` must be <= 1, got {self.top_p}")
         if self.min_group_size > self.group_size:
             raise ValueError("`min_group_size` must be <= `group_size`")
         if self.sampler == "remote" and not self.remote_url:
@@ -129,10 +135,12 @@ class EvalSection(_Section):
     eval_every: int = 1  # evaluate every k-th version
     max_rows: int = 0  # evaluate at most this many rows; 0 = all
     max_new_tokens: int = 16  # completion length cap (greedy decoding)
+    batch_size: int = 32  # prompts per batched greedy generate
+    max_versions: int = 0  # stop after evaluating this many versions; 0 = forever (tests: burst)
 
     def __post_init__(self) -> None:
-        self._positive("eval_every", "max_new_tokens")
-        self._positive("max_rows", allow_zero=True)
+        self._positive("eval_every", "max_new_tokens", "batch_size")
+        self._positive("max_rows", "max_versions", allow_zero=True)
 
 
 class MetricsSection(_Section):

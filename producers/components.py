@@ -1,0 +1,69 @@
+"""Build a producer's (or the evaluator's) parts from the run config.
+
+A :class:`Task` is what turns rows into rewards: the rows, the renderer (tokenizer +
+chat template + stop ids) and the reward function. The sampler is built separately,
+since the evaluator always samples locally while producers may use a server.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from producers import rewards
+from producers.dataset import load_rows
+from producers.render import Renderer, stop_ids
+from producers.samplers import LocalSampler
+from streamer import models
+from streamer.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Task:
+    rows: list[dict]
+    renderer: Renderer
+    reward_fn: rewards.RewardFn
+    reward_path: str
+
+
+def load_task(cfg: RunConfig, *, dataset: str, split: str = "train", tokenizer=None,
+              extra_stop_ids=()) -> Task:  # fmt: skip
+    """Rows of ``dataset``, rendered with the model's tokenizer, scored by the reward."""
+    rows = load_rows(dataset, split=split)
+    path = rewards.default_path(cfg.producer.reward, dataset)
+    reward_fn = rewards.load(path)
+    tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
+    renderer = Renderer(tokenizer, chat_template=cfg.model.chat_template, extra_stop_ids=extra_stop_ids)
+    return Task(rows=rows, renderer=renderer, reward_fn=reward_fn, reward_path=path)
+
+
+def local_sampler(cfg: RunConfig, tokenizer) -> tuple[LocalSampler, list[int]]:
+    """The initial policy (version 0, seeded by run.seed) as a sampler, and its stop ids."""
+    model = models.load_model(cfg.model, seed=cfg.run.seed)
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stops = stop_ids(tokenizer, extra)
+    return LocalSampler(model, stop_ids=stops, pad_id=tokenizer.pad_token_id), stops
+
+
+def build(cfg: RunConfig):
+    """(task, sampler) of a producer, from the config."""
+    p = cfg.producer
+    tokenizer = models.load_tokenizer(cfg.model)
+    if p.sampler == "local":
+        if p.torch_threads:
+            import torch
+
+            torch.set_num_threads(p.torch_threads)
+        sampler, stops = local_sampler(cfg, tokenizer)
+        return load_task(cfg, dataset=p.dataset, tokenizer=tokenizer, extra_stop_ids=stops), sampler
+    from producers.remote_sampler import RemoteSampler
+
+    task = load_task(cfg, dataset=p.dataset, tokenizer=tokenizer)
+    sampler = RemoteSampler(
+        base_url=p.remote_url, model=p.remote_model or cfg.model.name_or_path,
+        stop_ids=task.renderer.stop_ids, timeout=p.remote_timeout, retries=p.remote_retries,
+        concurrency=p.remote_concurrency, reload_endpoint=p.reload_endpoint,
+    )  # fmt: skip
+    return task, sampler

@@ -1,0 +1,168 @@
+"""A small OpenAI-compatible completions server for tests and benches (stdlib only).
+
+It speaks the subset of vLLM's ``/v1/completions`` the remote sampler uses: token-id
+``prompt``, ``n``, ``logprobs``, ``return_token_ids`` (answered in ``choices[i].token_ids``)
+and ``return_tokens_as_token_ids`` (``"token_id:{id}"`` strings in
+``choices[i].logprobs.tokens``), plus SGLang's ``/update_weights_from_disk``. What it
+generates comes from a ``backend(body) -> list[Completion]``: a real local sampler, or a
+canned answer after a fixed latency (the test double for a remote inference server).
+
+Test hooks: ``hold`` (clear it to make requests wait), ``fail_next`` (answer the next k
+requests with an error status), and counters of requests, in-flight peak and reloads.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from producers.samplers import Completion
+
+Backend = Callable[[dict], list[Completion]]
+
+
+def canned(token_ids: list[int], logprob: float = -0.5, finish: str = "stop") -> Backend:
+    """A backend answering every request with ``n`` copies of one completion."""
+
+    def backend(body: dict) -> list[Completion]:
+        return [Completion(list(token_ids), [logprob] * len(token_ids), finish)] * int(body.get("n", 1))
+
+    return backend
+
+
+def from_sampler(sampler) -> Backend:
+    """A backend that runs a local sampler on the request (the same structures, served)."""
+
+    def backend(body: dict) -> list[Completion]:
+        return sampler.sample(
+            body["prompt"], n=int(body.get("n", 1)), temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)), max_new_tokens=int(body.get("max_tokens", 16)),
+            seed=body.get("seed"),
+        )  # fmt: skip
+
+    return backend
+
+
+class FakeCompletionsServer:
+    def __init__(self, backend: Backend, *, latency: float = 0.0, token_ids_field: bool = True,
+                 reload_path: str = "/update_weights_from_disk", host: str = "127.0.0.1"):  # fmt: skip
+        self.backend, self.latency, self.token_ids_field = backend, latency, token_ids_field
+        self.reload_path = reload_path
+        self.hold = threading.Event()
+        self.hold.set()  # clear() to make requests wait until set() again
+        self.started = threading.Event()  # set when a completions request arrives
+        self.requests = 0
+        self.in_flight = self.max_in_flight = 0
+        self.reloads: list[str] = []
+        self.bodies: list[dict] = []
+        self._fail: list[int] = []
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer((host, 0), _handler(self))
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> FakeCompletionsServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.hold.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def fail_next(self, count: int, status: int = 503) -> None:
+        with self._lock:
+            self._fail.extend([status] * count)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def answer(self, body: dict) -> tuple[int, dict]:
+        """(status, JSON) for a completions request."""
+        with self._lock:
+            self.requests += 1
+            self.bodies.append(body)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            status = self._fail.pop(0) if self._fail else 200
+        self.started.set()
+        try:
+            self.hold.wait()
+            if self.latency:
+                time.sleep(self.latency)
+            if status != 200:
+                return status, {"object": "error", "message": "injected failure", "code": status}
+            prompt = body.get("prompt")
+            if not isinstance(prompt, list) or not all(isinstance(i, int) for i in prompt):
+                return 400, {"object": "error", "message": "prompt must be token ids", "code": 400}
+            return 200, self._response(body, self.backend(body))
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def _response(self, body: dict, completions: list[Completion]) -> dict:
+        choices = []
+        for i, c in enumerate(completions):
+            as_ids = bool(body.get("return_tokens_as_token_ids"))
+            tokens = [f"token_id:{t}" if as_ids else f"<{t}>" for t in c.token_ids]
+            choice = {
+                "index": i, "text": "", "finish_reason": c.finish_reason, "stop_reason": None,
+                "logprobs": {
+                    "text_offset": list(range(len(tokens))), "tokens": tokens,
+                    "token_logprobs": list(c.logprobs),
+                    "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, c.logprobs)],
+                },
+            }  # fmt: skip
+            if self.token_ids_field and body.get("return_token_ids"):
+                choice["token_ids"] = list(c.token_ids)
+                choice["prompt_token_ids"] = None
+            choices.append(choice)
+        n_out = sum(len(c.token_ids) for c in completions)
+        return {
+            "id": f"cmpl-{self.requests}", "object": "text_completion", "created": int(time.time()),
+            "model": body.get("model", ""), "choices": choices,
+            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n_out,
+                      "total_tokens": len(body["prompt"]) + n_out},
+        }  # fmt: skip
+
+
+def _handler(server: FakeCompletionsServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802 - http.server's naming
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                body = json.loads(self.rfile.read(length) or b"{}")
+            except ValueError:
+                return self._send(400, {"object": "error", "message": "bad JSON", "code": 400})
+            if self.path == "/v1/completions":
+                return self._send(*server.answer(body))
+            if self.path == server.reload_path:
+                server.reloads.append(body.get("model_path", ""))
+                return self._send(200, {"success": True, "message": "loaded"})
+            return self._send(404, {"object": "error", "message": f"no route {self.path}", "code": 404})
+
+        def _send(self, status: int, payload: dict) -> None:
+            raw = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+    return Handler

@@ -1,0 +1,181 @@
+"""Global row claiming with leases: every ticket is published at most once, and none is lost.
+
+A producer claims a *ticket* (see :class:`producers.dataset.Order`) in one Lua script:
+first it sweeps leases that expired (their producer died or stalled) onto ``…:requeue``,
+then takes the oldest requeued ticket, else ``INCR``s ``…:cursor``. The lease lives in
+``…:leases`` (ZSET ticket -> expiry, server time) and ``…:lease_owner`` (HASH ticket ->
+producer id); the holder renews it while it works.
+
+Every later step checks ownership inside the same script that acts, so a producer whose
+lease was swept cannot publish a row that someone else now holds:
+
+- :meth:`Leases.publish` XADDs the group *and* drops the lease atomically (a crash before
+  it leaves the row leased, to be re-issued; after it, the row is done);
+- :meth:`Leases.finish` drops the lease without publishing (the group was dropped);
+- :meth:`Leases.hand_back` requeues the ticket at the front (shutdown, sampler failure).
+
+Admission slots are tied to leases as well: :meth:`Leases.hold_slot` records that a
+ticket holds a slot (``{prefix}:lease_slots``), and whoever ends a lease without
+publishing (hand back, finish, or the sweep of a dead producer's lease) gives the slot
+back, so a crashed producer cannot leak admission capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from streamer.bus import FIELD
+from streamer.keys import Keys
+
+log = logging.getLogger(__name__)
+
+EXHAUSTED = -1  # every ticket of the configured epochs is claimed and no lease is open
+WAIT = -2  # no ticket now, but open leases may still expire and be re-issued
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+"""
+
+# KEYS: cursor leases owner requeue slots admitted
+# ARGV: owner lease_seconds limit(-1 = none) sweep_batch
+_CLAIM = _NOW + """
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[4])
+for _, t in ipairs(expired) do
+  redis.call('ZREM', KEYS[2], t)
+  redis.call('HDEL', KEYS[3], t)
+  if redis.call('SREM', KEYS[5], t) == 1 then redis.call('DECR', KEYS[6]) end
+  redis.call('RPUSH', KEYS[4], t)
+end
+local ticket = redis.call('LPOP', KEYS[4])
+if not ticket then
+  local limit = tonumber(ARGV[3])
+  if limit >= 0 and tonumber(redis.call('GET', KEYS[1]) or '0') >= limit then
+    if redis.call('ZCARD', KEYS[2]) == 0 then return -1 end
+    return -2
+  end
+  ticket = redis.call('INCR', KEYS[1]) - 1
+end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ticket)
+redis.call('HSET', KEYS[3], ticket, ARGV[1])
+return tonumber(ticket)
+"""
+
+# KEYS: leases owner ; ARGV: ticket owner lease_seconds
+_RENEW = _NOW + """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[1])
+return 1
+"""
+
+# KEYS: owner slots admitted ; ARGV: ticket owner
+_HOLD_SLOT = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
+  redis.call('DECR', KEYS[3])
+  return 0
+end
+redis.call('SADD', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: traj leases owner slots ; ARGV: ticket owner field payload
+_PUBLISH = """
+if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return false end
+local id = redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('SREM', KEYS[4], ARGV[1])
+return id
+"""
+
+# KEYS: leases owner slots admitted requeue ; ARGV: ticket owner requeue(0/1)
+_END = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if redis.call('SREM', KEYS[3], ARGV[1]) == 1 then redis.call('DECR', KEYS[4]) end
+if ARGV[3] == '1' then redis.call('LPUSH', KEYS[5], ARGV[1]) end
+return 1
+"""
+
+
+def slots_key(keys: Keys) -> str:
+    """SET of tickets that hold an admission slot (kept here: only leases use it)."""
+    return f"{keys.prefix}:lease_slots"
+
+
+class Leases:
+    """Claims, renews and ends row leases of one producer (``owner``)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        owner: str,
+        lease_seconds: float,
+        total_tickets: int | None = None,
+        sweep_batch: int = 100,
+    ):
+        self.client, self.keys, self.owner = client, keys, owner
+        self.lease_seconds, self.total_tickets = lease_seconds, total_tickets
+        self.sweep_batch = sweep_batch
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._hold = client.register_script(_HOLD_SLOT)
+        self._publish = client.register_script(_PUBLISH)
+        self._end = client.register_script(_END)
+
+    def claim(self) -> int:
+        """A ticket (>= 0) now leased to us, or :data:`EXHAUSTED` / :data:`WAIT`."""
+        k = self.keys
+        limit = -1 if self.total_tickets is None else self.total_tickets
+        return int(
+            self._claim(
+                keys=[k.cursor, k.leases, k.lease_owner, k.requeue, slots_key(k), k.admitted],
+                args=[self.owner, self.lease_seconds, limit, self.sweep_batch],
+            )
+        )
+
+    def renew(self, ticket: int) -> bool:
+        """Push the lease's expiry out; False when it is no longer ours."""
+        k = self.keys
+        return bool(
+            self._renew(keys=[k.leases, k.lease_owner], args=[ticket, self.owner, self.lease_seconds])
+        )
+
+    def hold_slot(self, ticket: int) -> bool:
+        """Record that ``ticket`` holds the slot just admitted; if the lease is gone, give it back."""
+        k = self.keys
+        return bool(self._hold(keys=[k.lease_owner, slots_key(k), k.admitted], args=[ticket, self.owner]))
+
+    def publish(self, ticket: int, payload: bytes) -> str | None:
+        """XADD ``payload`` to the trajectory stream and end the lease, atomically.
+
+        Returns the entry id, or None (nothing published) when the lease was lost.
+        """
+        k = self.keys
+        entry = self._publish(
+            keys=[k.traj, k.leases, k.lease_owner, slots_key(k)],
+            args=[ticket, self.owner, FIELD, payload],
+        )
+        return None if entry is None else entry.decode() if isinstance(entry, bytes) else entry
+
+    def finish(self, ticket: int) -> bool:
+        """End the lease without publishing (the row is done for this epoch); frees its slot."""
+        return self._end_lease(ticket, requeue=False)
+
+    def hand_back(self, ticket: int) -> bool:
+        """End the lease and requeue the ticket first in line; frees its slot."""
+        return self._end_lease(ticket, requeue=True)
+
+    def _end_lease(self, ticket: int, *, requeue: bool) -> bool:
+        k = self.keys
+        return bool(
+            self._end(
+                keys=[k.leases, k.lease_owner, slots_key(k), k.admitted, k.requeue],
+                args=[ticket, self.owner, int(requeue)],
+            )
+        )

@@ -1,0 +1,148 @@
+"""A sampler backed by an OpenAI-compatible completions server (vLLM, SGLang) over httpx.
+
+Request (``POST {base_url}/v1/completions``)::
+
+    {"model": ..., "prompt": [token ids], "n": G, "temperature": ..., "top_p": ...,
+     "max_tokens": ..., "logprobs": 1, "stop_token_ids": [...],
+     "return_token_ids": true, "return_tokens_as_token_ids": true}
+
+``prompt`` as a list of ints is a token-id prompt on both servers. Completion token ids
+come back as ``choices[i].token_ids`` (vLLM >= 0.10.2 and SGLang with
+``return_token_ids``); older vLLM only encodes them in ``choices[i].logprobs.tokens`` as
+``"token_id:{id}"`` strings (``return_tokens_as_token_ids``), which is the fallback. The
+log-prob of each sampled token is ``choices[i].logprobs.token_logprobs``. Both servers
+keep the EOS token in ``token_ids`` when it ended the completion; it is cut after the
+first stop id like the local sampler's.
+
+Timeouts per request, bounded retries with exponential backoff and jitter on transport
+errors, 429 and 5xx; other 4xx fail at once. At most ``concurrency`` requests are in
+flight from one sampler. New weights: ``POST {base_url}{reload_endpoint}`` with
+``{"model_path": directory}`` (SGLang's ``/update_weights_from_disk``); the server must
+see the same filesystem path.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from producers.samplers import Completion, SamplerError, cut_at_stop
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+_TOKEN_PREFIX = "token_id:"
+
+
+class RemoteSampler:
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        model: str,
+        stop_ids: list[int],
+        timeout: float = 120.0,
+        retries: int = 3,
+        concurrency: int = 8,
+        reload_endpoint: str = "/update_weights_from_disk",
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.model, self.stop_ids = model, list(stop_ids)
+        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.reload_endpoint = reload_endpoint
+        self._slots = threading.BoundedSemaphore(concurrency)
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)),
+            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+        )
+
+    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=None):
+        body = {
+            "model": self.model,
+            "prompt": [int(i) for i in prompt_ids],
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_new_tokens,
+            "logprobs": 1,
+            "stop_token_ids": self.stop_ids,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        # ``seed`` is not forwarded: with n > 1 a request seed is not portable across servers
+        data = self._post("/v1/completions", body)
+        return parse_completions(data, n=n, stop_ids=self.stop_ids)
+
+    def load_weights(self, directory: Path) -> None:
+        data = self._post(self.reload_endpoint, {"model_path": str(directory)})
+        if isinstance(data, dict) and data.get("success") is False:
+            raise SamplerError(f"server refused to load {directory}: {data.get('message', data)}")
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _post(self, path: str, body: dict):
+        """POST with bounded retries; the JSON answer, or SamplerError."""
+        attempt = 0
+        while True:
+            with self._slots:
+                try:
+                    resp = self._http.post(path, json=body)
+                    error = None if resp.status_code < 400 else f"HTTP {resp.status_code}: {resp.text[:200]}"
+                    retryable = resp.status_code in RETRY_STATUS
+                except httpx.TransportError as e:
+                    error, retryable = f"{type(e).__name__}: {e}", True
+            if error is None:
+                try:
+                    return resp.json()
+                except ValueError:
+                    raise SamplerError(f"{self.base_url}{path}: answer is not JSON") from None
+            if not retryable or attempt >= self.retries:
+                raise SamplerError(f"{self.base_url}{path}: {error} (after {attempt + 1} attempts)")
+            delay = min(self.max_backoff, self.backoff * 2**attempt) * (0.5 + random.random() / 2)
+            log.warning("%s%s: %s; retry %d/%d in %.2fs", self.base_url, path, error,
+                        attempt + 1, self.retries, delay)  # fmt: skip
+            time.sleep(delay)
+            attempt += 1
+
+
+def parse_completions(data: dict, *, n: int, stop_ids: list[int]) -> list[Completion]:
+    """The ``n`` choices of a completions answer as Completions (ordered by ``index``)."""
+    try:
+        choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
+    except (KeyError, TypeError, AttributeError):
+        raise SamplerError(f"answer has no `choices`: {str(data)[:200]}") from None
+    if len(choices) != n:
+        raise SamplerError(f"asked for {n} completions, got {len(choices)}")
+    return [_parse_choice(c, stop_ids) for c in choices]
+
+
+def _parse_choice(choice: dict, stop_ids: list[int]) -> Completion:
+    lp = choice.get("logprobs") or {}
+    logprobs = lp.get("token_logprobs")
+    if logprobs is None:
+        raise SamplerError("choice has no logprobs.token_logprobs (was `logprobs` ignored?)")
+    ids = choice.get("token_ids")
+    if ids is None:
+        tokens = lp.get("tokens") or []
+        if not all(isinstance(t, str) and t.startswith(_TOKEN_PREFIX) for t in tokens):
+            raise SamplerError(
+                "choice has no token ids: the server needs `return_token_ids` (vLLM >= 0.10.2, "
+                "SGLang) or `return_tokens_as_token_ids` (vLLM)"
+            )
+        ids = [int(t[len(_TOKEN_PREFIX) :]) for t in tokens]
+    if len(ids) != len(logprobs) or any(p is None for p in logprobs):
+        raise SamplerError(f"choice has {len(ids)} token ids but {len(logprobs)} log-probs")
+    done = cut_at_stop([int(i) for i in ids], [float(p) for p in logprobs], stop_ids)
+    if done.finish_reason == "length" and choice.get("finish_reason") == "stop":
+        # ended by a stop string or a stop token the server did not return: keep its verdict
+        return Completion(done.token_ids, done.logprobs, "stop")
+    return done

@@ -1,0 +1,73 @@
+"""Rendering: a dataset row -> prompt token ids, through the model's own tokenizer.
+
+With ``model.chat_template = true`` (the default) the row's chat (or its ``prompt`` as a
+single user turn) goes through ``tokenizer.apply_chat_template`` with the generation
+prompt added, exactly as the model saw chats in training. A tokenizer without a chat
+template is a :class:`ConfigError` unless the config asks for plain prompts
+(``chat_template = false``): then the prompt text (or the chat's contents joined by
+newlines) is tokenized as is, with the tokenizer's usual special tokens.
+
+Stop tokens come from the tokenizer (its EOS) plus any extra EOS ids the model's
+generation config lists; servers that want strings get them decoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from streamer.errors import ConfigError
+
+
+class Renderer:
+    def __init__(self, tokenizer, *, chat_template: bool = True, extra_stop_ids: Iterable[int] = ()):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise ConfigError(
+                f"tokenizer {name!r} has no chat template; set `model.chat_template = false` "
+                "to render plain prompts, or use a tokenizer that has one"
+            )
+        self.stop_ids = stop_ids(tokenizer, extra_stop_ids)
+        if not self.stop_ids:
+            raise ConfigError("the tokenizer has no EOS token: nothing would ever end a completion")
+
+    def render(self, row: dict) -> list[int]:
+        """Prompt token ids of ``row`` (a dict with ``messages`` or ``prompt``)."""
+        if self.chat_template:
+            messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        else:
+            text = row["prompt"] if "prompt" in row else "\n".join(m["content"] for m in row["messages"])
+            ids = self.tokenizer(text)["input_ids"]
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("the row rendered to an empty prompt")
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Completion text for rewards: special tokens (EOS) dropped."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def stop_strings(self) -> list[str]:
+        """The stop ids as text, for servers that only take stop strings."""
+        return [self.tokenizer.decode([i]) for i in self.stop_ids]
+
+
+def stop_ids(tokenizer, extra: Iterable[int] = ()) -> list[int]:
+    """EOS id(s) of the tokenizer, then ``extra`` (e.g. generation_config.eos_token_id)."""
+    out: list[int] = []
+    for i in [tokenizer.eos_token_id, *_as_list(extra)]:
+        if i is not None and int(i) not in out:
+            out.append(int(i))
+    return out
+
+
+def _as_list(v) -> list:
+    if v is None:
+        return []
+    if isinstance(v, int):
+        return [v]
+    return list(v)

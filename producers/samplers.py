@@ -1,0 +1,181 @@
+"""Samplers: prompt token ids -> G completions with the log-prob of every sampled token.
+
+One small interface (:class:`Sampler`), two implementations: :class:`LocalSampler`
+(a transformers causal LM in this process, CPU or GPU) and
+:class:`producers.remote_sampler.RemoteSampler` (an OpenAI-compatible server such as
+vLLM or SGLang). Both return :class:`Completion` objects: the completion token ids up to
+and including the first stop token (EOS), one log-prob per token, and ``finish_reason``
+("stop" when a stop token ended it, "length" when ``max_new_tokens`` cut it).
+
+Which log-prob is reported: the log-prob of the sampled token under the distribution it
+was actually sampled from: ``log_softmax(logits / temperature)`` restricted and
+renormalised to the top-p nucleus. With ``temperature == 1`` and ``top_p == 1`` (the
+default) that is the model's plain log-softmax, which is what the trainer's importance
+correction compares against. ``temperature == 0`` means greedy decoding and reports the
+plain log-softmax. (vLLM reports raw, untempered log-probs by default; start it with
+``--logprobs-mode processed_logprobs`` to match this definition when temperature != 1.)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+from streamer.errors import StreamerError
+
+log = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length"]
+
+
+class SamplerError(StreamerError, RuntimeError):
+    """Sampling failed (server unreachable after retries, malformed answer, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    token_ids: list[int]  # completion tokens, ending with the stop token when finish == "stop"
+    logprobs: list[float]  # one per token: log-prob under the sampling distribution
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise SamplerError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+
+
+class Sampler(Protocol):
+    """What a producer needs from a sampler."""
+
+    def sample(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int | None = None,
+    ) -> list[Completion]: ...
+
+    def load_weights(self, directory: Path) -> None:
+        """Switch to the safetensors weights in ``directory`` (raise on failure)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def cut_at_stop(token_ids: list[int], logprobs: list[float], stop_ids) -> Completion:
+    """Keep tokens up to and including the first stop token."""
+    stops = set(stop_ids)
+    for i, t in enumerate(token_ids):
+        if t in stops:
+            return Completion(list(token_ids[: i + 1]), list(logprobs[: i + 1]), "stop")
+    return Completion(list(token_ids), list(logprobs), "length")
+
+
+class LocalSampler:
+    """Batched ``model.generate`` of the G completions of a prompt (or of many prompts)."""
+
+    def __init__(self, model, *, stop_ids: list[int], pad_id: int | None = None):
+        self.model = model.eval()
+        self.stop_ids = list(stop_ids)
+        self.pad_id = pad_id if pad_id is not None else self.stop_ids[0]
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=None):
+        return self.sample_many(
+            [prompt_ids], n=n, temperature=temperature, top_p=top_p,
+            max_new_tokens=max_new_tokens, seed=seed,
+        )[0]  # fmt: skip
+
+    def sample_many(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int = 1,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        max_new_tokens: int,
+        seed: int | None = None,
+    ) -> list[list[Completion]]:
+        """``n`` completions of each prompt, generated as one left-padded batch."""
+        import torch
+
+        if seed is not None:
+            torch.manual_seed(seed)
+        ids, mask = self._batch(prompts, n)  # (B, P) with B = len(prompts) * n
+        greedy = temperature == 0
+        # top_k=0 turns off the top-k warper transformers would otherwise apply by default
+        sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=not greedy,
+                max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
+                return_dict_in_generate=True, output_scores=True, **sampling,
+            )  # fmt: skip
+            new = out.sequences[:, ids.shape[1] :]  # (B, T)
+            # scores[t] (B, V) are the processed logits step t sampled from; one step at a time
+            # keeps memory at B x V instead of B x T x V
+            lp = torch.stack(
+                [
+                    torch.log_softmax(s.float(), dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
+                    for t, s in enumerate(out.scores)
+                ],
+                dim=1,
+            )  # (B, T)
+        rows = [cut_at_stop(t, p, self.stop_ids) for t, p in zip(new.tolist(), lp.tolist())]
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _batch(self, prompts, n):
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts) * n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            rows = slice(i * n, (i + 1) * n)
+            ids[rows, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[rows, width - len(p) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def load_weights(self, directory: Path) -> None:
+        """Load a version in place; checked to fit first, so a bad version changes nothing."""
+        from streamer import weights
+
+        check_fits(self.model, directory)
+        weights.load_into(self.model, directory)
+
+    def close(self) -> None:
+        pass
+
+
+def check_fits(model, directory: Path) -> None:
+    """Raise SamplerError unless the safetensors in ``directory`` hold every parameter of
+    ``model`` (tied ones may be absent) with the right shape, and nothing else."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    unexpected = sorted(set(shapes) - set(expected))
+    missing = [k for k in expected if k not in shapes and not _tied(model, k)]
+    wrong = [k for k in shapes.keys() & expected.keys() if shapes[k] != expected[k]]
+    if unexpected or missing or wrong:
+        raise SamplerError(
+            f"weights in {directory} do not fit the model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
+        )
+
+
+def _tied(model, key: str) -> bool:
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    tied = getattr(model, "_tied_weights_keys", None) or ()
+    return key in (tied.keys() if isinstance(tied, dict) else tied)

@@ -1,0 +1,70 @@
+"""Rollout metric values of a producer (names from ``schemas.metric_names.ROLLOUT``).
+
+Counters are per-event increments (the exporter sums them); counts that happen between
+published groups (weight loads, dropped groups) wait in :class:`Pending` and ride along
+with the next event the producer sends.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from schemas import TrajectoryGroup
+from schemas.metric_names import ROLLOUT
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    sample_seconds: float
+    admission_wait_seconds: float
+    backpressure_wait_seconds: float
+
+
+class Pending:
+    """Counter increments and the latest load time not yet published."""
+
+    def __init__(self):
+        self.counts: Counter[str] = Counter()
+        self.weight_load_seconds: float | None = None
+
+    def add(self, name: str, n: float = 1) -> None:
+        assert ROLLOUT[name][0] == "counter", name
+        if n:
+            self.counts[name] += n
+
+    def drain(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in self.counts.items()}
+        if self.weight_load_seconds is not None:
+            out["weight_load_seconds"] = self.weight_load_seconds
+        self.counts.clear()
+        self.weight_load_seconds = None
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.counts) or self.weight_load_seconds is not None
+
+
+def group_values(group: TrajectoryGroup, *, failures: int, current_version: int, timings: Timings) -> dict[str, float]:
+    """The gauges and counters of one published group."""
+    rewards = [s.reward for s in group.samples]
+    lengths = [s.completion_len for s in group.samples]
+    n = len(group.samples)
+    values = {
+        "reward_mean": sum(rewards) / n,
+        "accuracy": sum(r > 0 for r in rewards) / n,
+        "response_length_mean": sum(lengths) / n,
+        "response_length_min": float(min(lengths)),
+        "response_length_max": float(max(lengths)),
+        "truncated_ratio": sum(s.finish_reason == "length" for s in group.samples) / n,
+        "version_offset": float(max(0, current_version - group.policy_version)),
+        "sample_seconds": timings.sample_seconds,
+        "admission_wait_seconds": timings.admission_wait_seconds,
+        "backpressure_wait_seconds": timings.backpressure_wait_seconds,
+        "groups": 1.0,
+        "samples": float(n),
+        "tokens": float(sum(lengths)),
+    }
+    if failures:
+        values["sample_failures"] = float(failures)
+    return values
