@@ -1,0 +1,163 @@
+"""Dataset rows and leased claims: JSONL errors name file and line; tickets are handed out
+once, expired leases come back first, and only the lease holder can publish."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from producers.dataset import DatasetError, Order, load_rows
+from producers.leases import EXHAUSTED, WAIT, Leases, slots_key
+from streamer.admission import Admission
+
+
+def _wait_for(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _wait_expired(client, keys, ticket: int) -> None:
+    """Until the server's clock passes the lease's expiry."""
+
+    def expired():
+        secs, micros = client.time()
+        return client.zscore(keys.leases, str(ticket)) < secs + micros / 1e6
+
+    _wait_for(expired, 5.0, f"the lease of ticket {ticket} to expire")
+
+
+# ---------------------------------------------------------------- rows
+
+
+def test_demo_rows_and_a_jsonl_file(tmp_path):
+    assert len(load_rows("demo")) == 100 and load_rows("demo", split="eval")[0]["answer"] == "0"
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "2+2=", "answer": "4"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    rows = load_rows(str(p))
+    assert rows == [{"prompt": "2+2=", "answer": "4"}, {"messages": [{"role": "user", "content": "hi"}]}]
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ('{"prompt": "x"', "not valid JSON"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"answer": "4"}', "needs `messages` (a chat) or `prompt`"),
+        ('{"prompt": ""}', "`prompt` must be a non-empty string"),
+        ('{"messages": []}', "`messages` must be a non-empty list"),
+        ('{"messages": [{"role": "user"}]}', "messages[0] needs a string `content`"),
+    ],
+)
+def test_a_bad_line_names_file_and_line(tmp_path, line, reason):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"prompt": "ok"}\n\n' + line + "\n")
+    with pytest.raises(DatasetError) as e:
+        load_rows(str(p))
+    assert str(e.value).startswith(f"{p}:3: ") and reason in str(e.value)
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(DatasetError, match="cannot read dataset"):
+        load_rows(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DatasetError, match="no rows"):
+        load_rows(str(tmp_path / "empty.jsonl"))
+
+
+def test_each_epoch_is_a_seeded_permutation():
+    order = Order(10, seed=3)
+    epochs = [[order.position(t).row for t in range(e * 10, e * 10 + 10)] for e in range(3)]
+    assert all(sorted(rows) == list(range(10)) for rows in epochs)
+    assert epochs[0] != epochs[1]  # reshuffled each epoch
+    assert epochs[0] == [Order(10, seed=3).position(t).row for t in range(10)]  # deterministic
+    assert order.position(25).epoch == 2 and order.total_tickets(2) == 20 and order.total_tickets(0) is None
+
+
+# ---------------------------------------------------------------- leases
+
+
+def test_tickets_in_order_then_exhausted_once_leases_end(client, keys):
+    a = Leases(client, keys, owner="a", lease_seconds=30, total_tickets=3)
+    got = [a.claim() for _ in range(3)]
+    assert got == [0, 1, 2]
+    assert a.claim() == WAIT  # all claimed, but leases are open
+    assert a.finish(0) and a.publish(1, b"x") and a.finish(2)
+    assert a.claim() == EXHAUSTED
+    assert client.zcard(keys.leases) == 0 and client.hlen(keys.lease_owner) == 0
+
+
+def test_concurrent_claims_are_disjoint_and_complete(redis_url, keys):
+    from streamer.bus import connect
+
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def worker(name):
+        c = connect(redis_url)
+        leases = Leases(c, keys, owner=name, lease_seconds=30, total_tickets=200)
+        while (t := leases.claim()) >= 0:
+            leases.finish(t)
+            with lock:
+                got.append(t)
+        c.close()
+
+    threads = [threading.Thread(target=worker, args=(f"w{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(got) == list(range(200))
+
+
+def test_an_expired_lease_is_handed_out_again_first(client, keys):
+    dead = Leases(client, keys, owner="dead", lease_seconds=0.3)
+    alive = Leases(client, keys, owner="alive", lease_seconds=30)
+    assert dead.claim() == 0
+    assert alive.claim() == 1  # lease of 0 still valid: a new ticket
+    _wait_expired(client, keys, 0)
+    assert alive.claim() == 0  # requeued before any new ticket
+    assert client.hget(keys.lease_owner, "0") == b"alive"
+    assert dead.publish(0, b"late") is None and client.xlen(keys.traj) == 0  # the dead one lost it
+    assert not dead.renew(0) and alive.renew(0)
+
+
+def test_hand_back_requeues_at_the_front(client, keys):
+    a = Leases(client, keys, owner="a", lease_seconds=30)
+    assert [a.claim(), a.claim()] == [0, 1]
+    assert a.hand_back(1) and not a.hand_back(1)  # second time: not ours any more
+    assert a.claim() == 1 and a.claim() == 2
+
+
+def test_publish_and_lease_end_are_one_step(client, keys):
+    a = Leases(client, keys, owner="a", lease_seconds=30)
+    b = Leases(client, keys, owner="b", lease_seconds=30)
+    t = a.claim()
+    assert b.publish(t, b"not mine") is None and client.xlen(keys.traj) == 0
+    entry = a.publish(t, b"payload")
+    assert entry and client.xrange(keys.traj)[0][1] == {b"d": b"payload"}
+    assert client.zscore(keys.leases, str(t)) is None and a.publish(t, b"again") is None
+
+
+def test_slots_of_unpublished_leases_are_given_back(client, keys):
+    adm = Admission(client, keys, max_staleness=0, groups_per_step=10)
+    dead = Leases(client, keys, owner="dead", lease_seconds=0.3)
+    a = Leases(client, keys, owner="a", lease_seconds=30)
+    for leases in (dead, a, a):
+        t = leases.claim()
+        assert adm.try_admit() and leases.hold_slot(t)
+    assert adm.snapshot()["admitted"] == 3
+    a.publish(1, b"g")  # a published group keeps its slot (the trainer releases rejects)
+    a.hand_back(2)  # handed back: slot returned
+    assert adm.snapshot()["admitted"] == 2
+    _wait_expired(client, keys, 0)
+    assert a.claim() == 2 and a.claim() == 0  # the handed-back one first, then the expired one
+    assert adm.snapshot()["admitted"] == 1 and client.scard(slots_key(keys)) == 0
+    # a lease lost while waiting for admission gives the fresh slot straight back
+    assert adm.try_admit() and not dead.hold_slot(0) and adm.snapshot()["admitted"] == 1
