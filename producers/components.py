@@ -29,9 +29,9 @@ class Task:
 
 
 def load_task(cfg: RunConfig, *, dataset: str, split: str = "train", tokenizer=None,
-              extra_stop_ids=()) -> Task:  # fmt: skip
+              extra_stop_ids=(), rows: list[dict] | None = None) -> Task:  # fmt: skip
     """Rows of ``dataset``, rendered with the model's tokenizer, scored by the reward."""
-    rows = load_rows(dataset, split=split)
+    rows = rows if rows is not None else load_rows(dataset, split=split)
     path = rewards.default_path(cfg.producer.reward, dataset)
     reward_fn = rewards.load(path)
     tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
@@ -50,6 +50,8 @@ def local_sampler(cfg: RunConfig, tokenizer) -> tuple[LocalSampler, list[int]]:
 def build(cfg: RunConfig):
     """(task, sampler) of a producer, from the config."""
     p = cfg.producer
+    rows = load_rows(p.dataset)  # first: a bad dataset fails before any model loads
+    rewards.load(rewards.default_path(p.reward, p.dataset))
     tokenizer = models.load_tokenizer(cfg.model)
     if p.sampler == "local":
         if p.torch_threads:
@@ -57,10 +59,11 @@ def build(cfg: RunConfig):
 
             torch.set_num_threads(p.torch_threads)
         sampler, stops = local_sampler(cfg, tokenizer)
-        return load_task(cfg, dataset=p.dataset, tokenizer=tokenizer, extra_stop_ids=stops), sampler
+        task = load_task(cfg, dataset=p.dataset, tokenizer=tokenizer, extra_stop_ids=stops, rows=rows)
+        return task, sampler
     from producers.remote_sampler import RemoteSampler
 
-    task = load_task(cfg, dataset=p.dataset, tokenizer=tokenizer)
+    task = load_task(cfg, dataset=p.dataset, tokenizer=tokenizer, rows=rows)
     sampler = RemoteSampler(
         base_url=p.remote_url, model=p.remote_model or cfg.model.name_or_path,
         stop_ids=task.renderer.stop_ids, timeout=p.remote_timeout, retries=p.remote_retries,
