@@ -1,9 +1,15 @@
-"""The built-in demo task: single-digit modular addition, learnable by RL on 2 CPU cores.
+"""The built-in demo task: single-digit addition, learnable by RL on 2 CPU cores.
 
-A prompt is ``a+b=`` (a user turn rendered with a chat template); the right answer is
-``(a+b) mod 10``. The tokenizer is built in code (one token per character plus a few
-specials), the model is a tiny Qwen2 built from a config, so nothing is downloaded. An
-untrained model answers at chance level; reward is 1 for the right digit.
+A prompt is ``a+b=`` with ``a + b <= 9`` (a user turn rendered with a chat template, 55
+prompts); the right answer is the digit ``a+b``. The tokenizer is built in code (one token
+per character plus a few specials), the model is a tiny Qwen2 built from a config, so
+nothing is downloaded. An untrained model answers at chance level or below; the reward is
+1 when the completion starts with the right digit.
+
+Why not ``(a+b) mod 10`` over all 100 pairs: a model this small sits on a long plateau on
+that task even with supervised labels (~300 steps of batch 64 at chance before it
+"groks" it), and from a ~0.1 chance reward, RL did not leave the plateau within the
+minutes the demo has. Plain addition has structure a tiny model finds quickly.
 """
 
 from __future__ import annotations
@@ -37,19 +43,20 @@ def config():
 
 
 def rows(split: str = "train") -> list[dict]:
-    """Dataset rows: every (a, b) pair; the eval split is the same 100 prompts, greedy."""
+    """Dataset rows: every (a, b) with a + b <= 9; eval is the same 55 prompts, greedy."""
     if split not in ("train", "eval"):
         raise ValueError(f"unknown demo split {split!r}")
     return [
-        {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str((a + b) % 10)}
+        {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
         for a in range(10)
         for b in range(10)
+        if a + b <= 9
     ]
 
 
 def reward(row: dict, text: str, sample=None) -> float:
-    """1.0 when the completion is exactly the right digit, else 0.0."""
-    return 1.0 if text.strip() == row["answer"] else 0.0
+    """1.0 when the completion starts with the right digit, else 0.0."""
+    return 1.0 if text.strip()[:1] == row["answer"] else 0.0
 
 
 @functools.lru_cache(maxsize=1)
