@@ -59,76 +59,163 @@ TRAIN = "streamer_train_"
 ROLL = "streamer_rollout_"
 
 ROWS: list[tuple[str, list[Panel]]] = [
-    ("Overview", [
-        stat("Rollout reward (5m)", f"avg(avg_over_time({m(ROLL + 'reward_mean')}[5m]))"),
-        stat("Eval accuracy", f"max({m('streamer_eval_accuracy')})", "percentunit"),
-        stat("Rollout tokens/s", rate(ROLL + "tokens_total")),
-        stat("Policy version", f"max({m('streamer_policy_version')})"),
-        stat("Staleness (versions)", f"max({m(TRAIN + 'staleness_mean')})"),
-        stat("Trajectory lag", f"sum({m('streamer_stream_group_lag', stream='traj', group='trainer')})"),
-        stat("Since last step", f"max({m('streamer_train_seconds_since_last_step')})", "s"),
-        stat("Live producers", f"sum({m('streamer_live_producers')})"),
-    ]),
-    ("Training", [
-        ts("Loss", (m(TRAIN + "loss"), "loss"), (m(TRAIN + "policy_loss"), "policy loss")),
-        ts("KL to reference", (m(TRAIN + "kl"), "kl")),
-        ts("Entropy", (m(TRAIN + "entropy"), "entropy")),
-        ts("Clip fraction", (m(TRAIN + "clip_fraction"), "clipped"), unit="percentunit"),
-        ts("Grad norm", (m(TRAIN + "grad_norm"), "grad norm")),
-        ts("Learning rate", (m(TRAIN + "lr"), "lr")),
-        ts("Importance weights", (m(TRAIN + "is_weight_mean"), "mean"), (m(TRAIN + "is_weight_max"), "max")),
-        ts("Trained tokens/s", (m(TRAIN + "tokens_per_second"), "tokens/s")),
-        ts("Step time", (m(TRAIN + "step_seconds"), "step"), (m(TRAIN + "data_wait_seconds"), "data wait"), unit="s"),
-        ts("Groups accepted / rejected per second",
-           (rate(TRAIN + "groups_accepted_total"), "accepted"),
-           (rate(TRAIN + "groups_rejected_stale_total"), "stale"),
-           (rate(TRAIN + "groups_rejected_zero_variance_total"), "zero variance"),
-           (rate(TRAIN + "groups_rejected_too_few_samples_total"), "too few samples"),
-           (rate(TRAIN + "groups_rejected_overlong_total"), "overlong"),
-           (rate(TRAIN + "groups_rejected_user_filter_total"), "user filter")),
-        ts("Staleness (versions)", (m(TRAIN + "staleness_mean"), "mean"), (m(TRAIN + "staleness_max"), "max")),
-        ts("Train step", (m(TRAIN + "step"), "step"), (m(TRAIN + "reward_mean"), "reward of trained groups")),
-    ]),
-    ("Rollout", [
-        ts("Reward", (f"avg(avg_over_time({m(ROLL + 'reward_mean')}[1m]))", "reward (1m mean)"),
-           (f"avg(avg_over_time({m(ROLL + 'accuracy')}[1m]))", "accuracy (1m mean)")),
-        ts("Response length (tokens)", (m(ROLL + "response_length_mean"), "mean"),
-           (m(ROLL + "response_length_min"), "min"), (m(ROLL + "response_length_max"), "max")),
-        ts("Truncated", (f"avg(avg_over_time({m(ROLL + 'truncated_ratio')}[1m]))", "truncated"), unit="percentunit"),
-        ts("Tokens/s per producer", (rate(ROLL + "tokens_total", "producer"), "{{producer}}")),
-        ts("Groups/s per producer", (rate(ROLL + "groups_total", "producer"), "{{producer}}")),
-        ts("Admission and backpressure wait", (m(ROLL + "admission_wait_seconds"), "admission"),
-           (m(ROLL + "backpressure_wait_seconds"), "backpressure"), (m(ROLL + "sample_seconds"), "sampling"),
-           unit="s"),
-        ts("Version offset", (m(ROLL + "version_offset"), "versions behind")),
-        ts("Failures per second", (rate(ROLL + "sample_failures_total"), "sample failures"),
-           (rate(ROLL + "groups_dropped_total"), "groups dropped"),
-           (rate(ROLL + "weight_load_errors_total"), "weight load errors")),
-        ts("Rollout step", (m(ROLL + "step"), "step")),
-    ]),
-    ("Eval", [
-        ts("Eval accuracy", (m("streamer_eval_accuracy"), "accuracy"), unit="percentunit"),
-        ts("Eval reward", (m("streamer_eval_reward_mean"), "reward")),
-        ts("Eval response length", (m("streamer_eval_response_length_mean"), "tokens")),
-        ts("Evaluated version", (m("streamer_eval_step"), "version"), (m("streamer_eval_rows"), "rows")),
-        ts("Eval time", (m("streamer_eval_eval_seconds"), "seconds"), unit="s"),
-    ]),
-    ("Pipeline", [
-        ts("Trajectories published vs consumed (/s)",
-           (rate("streamer_stream_entries_added_total", stream="traj"), "published"),
-           (rate("streamer_stream_group_entries_read_total", stream="traj", group="trainer"), "consumed")),
-        ts("Consumer-group lag", (f"sum by (stream, group) ({m('streamer_stream_group_lag')})", "{{stream}}/{{group}}")),
-        ts("Pending (unacknowledged)",
-           (f"sum by (stream, group) ({m('streamer_stream_group_pending')})", "{{stream}}/{{group}}")),
-        ts("Stream length", (f"sum by (stream) ({m('streamer_stream_length')})", "{{stream}}")),
-        ts("Dead letters (10m)", (f"sum(increase({m('streamer_dead_letters_total')}[10m]))", "dead letters")),
-        ts("Weight sync latency", (m(TRAIN + "weight_sync_seconds"), "trainer write + publish"),
-           (m(ROLL + "weight_load_seconds"), "producer load"), unit="s"),
-        ts("Policy age", (m("streamer_policy_age_seconds"), "since newest version"),
-           (m("streamer_train_seconds_since_last_step"), "since last train step"), unit="s"),
-        ts("Admission", (m("streamer_admitted_groups"), "admitted"), (m("streamer_admission_limit_groups"), "limit")),
-        ts("Live producers", (m("streamer_live_producers"), "live")),
-    ]),
+    (
+        "Overview",
+        [
+            stat("Rollout reward (5m)", f"avg(avg_over_time({m(ROLL + 'reward_mean')}[5m]))"),
+            stat("Eval accuracy", f"max({m('streamer_eval_accuracy')})", "percentunit"),
+            stat("Rollout tokens/s", rate(ROLL + "tokens_total")),
+            stat("Policy version", f"max({m('streamer_policy_version')})"),
+            stat("Staleness (versions)", f"max({m(TRAIN + 'staleness_mean')})"),
+            stat(
+                "Trajectory lag",
+                f"sum({m('streamer_stream_group_lag', stream='traj', group='trainer')})",
+            ),
+            stat("Since last step", f"max({m('streamer_train_seconds_since_last_step')})", "s"),
+            stat("Live producers", f"sum({m('streamer_live_producers')})"),
+        ],
+    ),
+    (
+        "Training",
+        [
+            ts("Loss", (m(TRAIN + "loss"), "loss"), (m(TRAIN + "policy_loss"), "policy loss")),
+            ts("KL to reference", (m(TRAIN + "kl"), "kl")),
+            ts("Entropy", (m(TRAIN + "entropy"), "entropy")),
+            ts("Clip fraction", (m(TRAIN + "clip_fraction"), "clipped"), unit="percentunit"),
+            ts("Grad norm", (m(TRAIN + "grad_norm"), "grad norm")),
+            ts("Learning rate", (m(TRAIN + "lr"), "lr")),
+            ts(
+                "Importance weights",
+                (m(TRAIN + "is_weight_mean"), "mean"),
+                (m(TRAIN + "is_weight_max"), "max"),
+            ),
+            ts("Trained tokens/s", (m(TRAIN + "tokens_per_second"), "tokens/s")),
+            ts(
+                "Step time",
+                (m(TRAIN + "step_seconds"), "step"),
+                (m(TRAIN + "data_wait_seconds"), "data wait"),
+                unit="s",
+            ),
+            ts(
+                "Groups accepted / rejected per second",
+                (rate(TRAIN + "groups_accepted_total"), "accepted"),
+                (rate(TRAIN + "groups_rejected_stale_total"), "stale"),
+                (rate(TRAIN + "groups_rejected_zero_variance_total"), "zero variance"),
+                (rate(TRAIN + "groups_rejected_too_few_samples_total"), "too few samples"),
+                (rate(TRAIN + "groups_rejected_overlong_total"), "overlong"),
+                (rate(TRAIN + "groups_rejected_user_filter_total"), "user filter"),
+            ),
+            ts(
+                "Staleness (versions)",
+                (m(TRAIN + "staleness_mean"), "mean"),
+                (m(TRAIN + "staleness_max"), "max"),
+            ),
+            ts(
+                "Train step",
+                (m(TRAIN + "step"), "step"),
+                (m(TRAIN + "reward_mean"), "reward of trained groups"),
+            ),
+        ],
+    ),
+    (
+        "Rollout",
+        [
+            ts(
+                "Reward",
+                (f"avg(avg_over_time({m(ROLL + 'reward_mean')}[1m]))", "reward (1m mean)"),
+                (f"avg(avg_over_time({m(ROLL + 'accuracy')}[1m]))", "accuracy (1m mean)"),
+            ),
+            ts(
+                "Response length (tokens)",
+                (m(ROLL + "response_length_mean"), "mean"),
+                (m(ROLL + "response_length_min"), "min"),
+                (m(ROLL + "response_length_max"), "max"),
+            ),
+            ts(
+                "Truncated",
+                (f"avg(avg_over_time({m(ROLL + 'truncated_ratio')}[1m]))", "truncated"),
+                unit="percentunit",
+            ),
+            ts("Tokens/s per producer", (rate(ROLL + "tokens_total", "producer"), "{{producer}}")),
+            ts("Groups/s per producer", (rate(ROLL + "groups_total", "producer"), "{{producer}}")),
+            ts(
+                "Admission and backpressure wait",
+                (m(ROLL + "admission_wait_seconds"), "admission"),
+                (m(ROLL + "backpressure_wait_seconds"), "backpressure"),
+                (m(ROLL + "sample_seconds"), "sampling"),
+                unit="s",
+            ),
+            ts("Version offset", (m(ROLL + "version_offset"), "versions behind")),
+            ts(
+                "Failures per second",
+                (rate(ROLL + "sample_failures_total"), "sample failures"),
+                (rate(ROLL + "groups_dropped_total"), "groups dropped"),
+                (rate(ROLL + "weight_load_errors_total"), "weight load errors"),
+            ),
+            ts("Rollout step", (m(ROLL + "step"), "step")),
+        ],
+    ),
+    (
+        "Eval",
+        [
+            ts("Eval accuracy", (m("streamer_eval_accuracy"), "accuracy"), unit="percentunit"),
+            ts("Eval reward", (m("streamer_eval_reward_mean"), "reward")),
+            ts("Eval response length", (m("streamer_eval_response_length_mean"), "tokens")),
+            ts(
+                "Evaluated version",
+                (m("streamer_eval_step"), "version"),
+                (m("streamer_eval_rows"), "rows"),
+            ),
+            ts("Eval time", (m("streamer_eval_eval_seconds"), "seconds"), unit="s"),
+        ],
+    ),
+    (
+        "Pipeline",
+        [
+            ts(
+                "Trajectories published vs consumed (/s)",
+                (rate("streamer_stream_entries_added_total", stream="traj"), "published"),
+                (
+                    rate("streamer_stream_group_entries_read_total", stream="traj", group="trainer"),
+                    "consumed",
+                ),
+            ),
+            ts(
+                "Consumer-group lag",
+                (f"sum by (stream, group) ({m('streamer_stream_group_lag')})", "{{stream}}/{{group}}"),
+            ),
+            ts(
+                "Pending (unacknowledged)",
+                (
+                    f"sum by (stream, group) ({m('streamer_stream_group_pending')})",
+                    "{{stream}}/{{group}}",
+                ),
+            ),
+            ts("Stream length", (f"sum by (stream) ({m('streamer_stream_length')})", "{{stream}}")),
+            ts(
+                "Dead letters (10m)",
+                (f"sum(increase({m('streamer_dead_letters_total')}[10m]))", "dead letters"),
+            ),
+            ts(
+                "Weight sync latency",
+                (m(TRAIN + "weight_sync_seconds"), "trainer write + publish"),
+                (m(ROLL + "weight_load_seconds"), "producer load"),
+                unit="s",
+            ),
+            ts(
+                "Policy age",
+                (m("streamer_policy_age_seconds"), "since newest version"),
+                (m("streamer_train_seconds_since_last_step"), "since last train step"),
+                unit="s",
+            ),
+            ts(
+                "Admission",
+                (m("streamer_admitted_groups"), "admitted"),
+                (m("streamer_admission_limit_groups"), "limit"),
+            ),
+            ts("Live producers", (m("streamer_live_producers"), "live")),
+        ],
+    ),
 ]
 
 
@@ -223,7 +310,9 @@ def check(dashboard: dict, series: Mapping) -> list[str]:
             errors.append(f"panel {title!r}: {expr!r} queries no streamer_ series")
         unknown = sorted({n for n in names if n not in series})
         if unknown:
-            errors.append(f"panel {title!r}: unknown series {', '.join(unknown)} (not in consumers.exporter.SERIES)")
+            errors.append(
+                f"panel {title!r}: unknown series {', '.join(unknown)} (not in consumers.exporter.SERIES)"
+            )
         labels = set(PROMETHEUS_LABELS)
         for n in names:
             if n in series:

@@ -86,6 +86,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     dead_last: list[DeadEntry]  # newest first
     admitted: int  # admission slots held (groups admitted and not released)
     limits: dict[str, int]  # as written by the trainer: max_staleness, groups_per_step
+    admission_limit: int | None  # (max_staleness + version + 1) * groups_per_step, as admission checks
     waiting_groups: int  # trajectory entries the trainer group has not acknowledged
     stalled: bool = False
     reasons: list[str] = []
@@ -121,14 +122,17 @@ def snapshot(
     pipe.xrevrange(keys.dead, count=dead_last)
     pipe.get(keys.admitted)
     pipe.hgetall(keys.limits)
+    pipe.get(keys.version)
     res = pipe.execute(raise_on_error=False)
     for r in res:
         if isinstance(r, Exception) and not _missing(r):
             raise r
     streams = [
-        _stream(client, name, key, res[2 * i], res[2 * i + 1]) for i, (name, key) in enumerate(named.items())
+        _stream(client, name, key, res[2 * i], res[2 * i + 1])
+        for i, (name, key) in enumerate(named.items())
     ]
-    policy_rows, beats, live, known, dead_rows, admitted, limits = res[2 * len(named) :]
+    policy_rows, beats, live, known, dead_rows, admitted, limits, version = res[2 * len(named) :]
+    limits = {_s(k): int(v) for k, v in (limits or {}).items()}
     syncs = _decode_rows(policy_rows, WeightSync)
     snap = Snapshot(
         run=keys.run,
@@ -140,13 +144,19 @@ def snapshot(
         live_producers=int(live),
         known_producers=int(known),
         producers=[
-            ProducerInfo(id=_s(m), last_beat=float(t), age_seconds=max(0.0, now - t), live=now - t <= LIVE_SECONDS)
+            ProducerInfo(
+                id=_s(m),
+                last_beat=float(t),
+                age_seconds=max(0.0, now - t),
+                live=now - t <= LIVE_SECONDS,
+            )
             for m, t in beats
         ],
         dead_letters=streams[3].entries_added,
         dead_last=[_dead(d) for d in _decode_rows(dead_rows, DeadLetter)],
         admitted=int(admitted or 0),
-        limits={_s(k): int(v) for k, v in (limits or {}).items()},
+        limits=limits,
+        admission_limit=_admission_limit(limits, int(version or 0)),
         waiting_groups=_waiting(streams[0]),
     )
     snap.reasons = stall_reasons(snap, stall_seconds=stall_seconds)
@@ -200,6 +210,12 @@ def _group(client: redis.Redis, key: str, g: dict) -> GroupInfo:
     )
 
 
+def _admission_limit(limits: dict[str, int], version: int) -> int | None:
+    if not {"max_staleness", "groups_per_step"} <= limits.keys():
+        return None  # no trainer has published its limits yet
+    return (limits["max_staleness"] + version + 1) * limits["groups_per_step"]
+
+
 def _waiting(traj: StreamInfo) -> int:
     for g in traj.groups:
         if g.name == TRAINER_GROUP:
@@ -209,7 +225,11 @@ def _waiting(traj: StreamInfo) -> int:
 
 def _policy(sync: WeightSync, now: float) -> PolicyInfo:
     return PolicyInfo(
-        version=sync.version, step=sync.step, at=sync.at, age_seconds=max(0.0, now - sync.at), uri=sync.uri
+        version=sync.version,
+        step=sync.step,
+        at=sync.at,
+        age_seconds=max(0.0, now - sync.at),
+        uri=sync.uri,
     )
 
 
@@ -273,14 +293,15 @@ def render(snap: Snapshot) -> str:
     rate = "-" if snap.step_rate is None else f"{snap.step_rate:.3g} steps/s"
     lines = [f"run {snap.run} on {snap.redis_url}"]
     if p:
-        lines.append(f"policy      version {p.version} (step {p.step}), {_age(p.age_seconds)} ago; trainer {rate}")
+        lines.append(
+            f"policy      version {p.version} (step {p.step}), {_age(p.age_seconds)} ago; trainer {rate}"
+        )
     else:
         lines.append("policy      no version published yet")
-    limit = ""
-    if {"max_staleness", "groups_per_step"} <= snap.limits.keys():
-        ver = p.version if p else 0
-        limit = f" of {(snap.limits['max_staleness'] + ver + 1) * snap.limits['groups_per_step']}"
-    lines.append(f"admission   {snap.admitted}{limit} slots held; {snap.waiting_groups} groups wait for the trainer")
+    limit = "" if snap.admission_limit is None else f" of {snap.admission_limit}"
+    lines.append(
+        f"admission   {snap.admitted}{limit} slots held; {snap.waiting_groups} groups wait for the trainer"
+    )
     lines.append("streams")
     rows = []
     for s in snap.streams:
@@ -292,13 +313,19 @@ def render(snap: Snapshot) -> str:
     if snap.producers:
         lines += _table(
             ("PRODUCER", "LAST BEAT", "STATE"),
-            [(q.id, f"{_age(q.age_seconds)} ago", "live" if q.live else "gone") for q in snap.producers],
+            [
+                (q.id, f"{_age(q.age_seconds)} ago", "live" if q.live else "gone")
+                for q in snap.producers
+            ],
         )
     lines.append(f"dead letters {snap.dead_letters}")
     if snap.dead_last:
         lines += _table(
             ("WHEN", "STREAM", "ENTRY", "REASON"),
-            [(f"{_age(snap.at - d.at)} ago", d.stream, d.entry_id, d.reason[:100]) for d in snap.dead_last],
+            [
+                (f"{_age(snap.at - d.at)} ago", d.stream, d.entry_id, d.reason[:100])
+                for d in snap.dead_last
+            ],
         )
     lines.append("STALLED: " + "; ".join(snap.reasons) if snap.stalled else "status      ok")
     return "\n".join(lines)

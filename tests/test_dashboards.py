@@ -20,7 +20,11 @@ import dashboards  # noqa: E402  (ops/ is scripts, not a package)
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "ops/dashboards.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "ops/dashboards.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -37,7 +41,9 @@ def test_check_fails_on_unknown_series(tmp_path):
     board = copy.deepcopy(dashboards.render())
     (panel,) = [p for p in board["panels"] if p["title"] == "Rollout reward (5m)"]
     target = panel["targets"][0]
-    target["expr"] = target["expr"].replace("streamer_rollout_reward_mean", "streamer_rollout_reward_avg")
+    target["expr"] = target["expr"].replace(
+        "streamer_rollout_reward_mean", "streamer_rollout_reward_avg"
+    )
     errors = dashboards.check(board, SERIES)
     assert len(errors) == 1 and "unknown series streamer_rollout_reward_avg" in errors[0], errors
 
@@ -65,11 +71,12 @@ def test_rows_and_required_panels():
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert rows == ["Overview", "Training", "Rollout", "Eval", "Pipeline"]
     exprs = " ".join(e for _, e in dashboards.queries(board))
-    for name in ("train_loss", "train_kl", "train_entropy", "train_clip_fraction", "train_grad_norm", "train_lr",
-                 "rollout_reward_mean", "rollout_response_length_mean", "rollout_truncated_ratio",
-                 "rollout_admission_wait_seconds", "eval_accuracy", "stream_group_lag", "stream_group_pending",
-                 "dead_letters_total", "train_weight_sync_seconds", "policy_version",
-                 "train_seconds_since_last_step", "stream_entries_added_total"):  # fmt: skip
+    required = """train_loss train_kl train_entropy train_clip_fraction train_grad_norm train_lr
+        rollout_reward_mean rollout_response_length_mean rollout_truncated_ratio
+        rollout_admission_wait_seconds eval_accuracy stream_group_lag stream_group_pending
+        dead_letters_total train_weight_sync_seconds policy_version train_seconds_since_last_step
+        stream_entries_added_total""".split()
+    for name in required:
         assert f"streamer_{name}" in exprs, name
     assert "sum by (producer)" in exprs  # throughput per producer
     ids = [p["id"] for p in board["panels"]]

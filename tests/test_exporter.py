@@ -48,15 +48,18 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 def axis_series(samples: dict) -> dict:
     """Only the event-derived series (train/rollout/eval axes)."""
-    return {k: v for k, v in samples.items() if k[0].startswith(("streamer_train_", "streamer_rollout_", "streamer_eval_"))
-            and k[0] != "streamer_train_seconds_since_last_step"}  # fmt: skip
+    axes = ("streamer_train_", "streamer_rollout_", "streamer_eval_")
+    health = "streamer_train_seconds_since_last_step"
+    return {k: v for k, v in samples.items() if k[0].startswith(axes) and k[0] != health}
 
 
 def drain(ex: Exporter, expect_events: int) -> None:
     """Consume until the exporter has applied ``expect_events`` in all (bounded)."""
     deadline = time.monotonic() + 10
     while sum(ex.state.events.values()) < expect_events:
-        assert time.monotonic() < deadline, f"applied {ex.state.events}, expected {expect_events} events"
+        assert time.monotonic() < deadline, (
+            f"applied {ex.state.events}, expected {expect_events} events"
+        )
         ex.consume(block=0.1)
 
 
@@ -73,7 +76,9 @@ AFTER = [  # published while it runs: read through the consumer group
     ev("train", 2, "trainer", loss=0.25, tokens=50, groups_accepted=8, groups_rejected_stale=1),
     ev("rollout", 6, "producer-a", reward_mean=0.0, tokens=5, groups=1),
     ev("eval", 2, "eval", accuracy=0.75, reward_mean=0.75),
-    MetricsEvent(axis="train", step=3, source="trainer", values={"My Metric/x": 7.0, "step": 99.0}),  # unknown: one sanitised, one colliding
+    MetricsEvent(
+        axis="train", step=3, source="trainer", values={"My Metric/x": 7.0, "step": 99.0}
+    ),  # unknown: one sanitised, one colliding
 ]
 REJECTED_ZERO = ["zero_variance", "too_few_samples", "overlong", "user_filter"]
 EXPECTED = {
@@ -133,13 +138,16 @@ def test_events_in_exact_series_out(exporter, client, keys, caplog):
 def test_stream_health_series(exporter, client, keys):
     pub = Publisher(client, keys, RunConfig().bus)
     now = time.time()
-    pub.publish(keys.policy, WeightSync(version=4, step=4, uri="file:///w", sha256="0" * 64, at=now - 2.0))
+    pub.publish(
+        keys.policy, WeightSync(version=4, step=4, uri="file:///w", sha256="0" * 64, at=now - 2.0)
+    )
     pub.publish_many(keys.traj, [ev("train", 0, "x")] * 3)  # any bytes: only counted here
     client.xgroup_create(keys.traj, "trainer", id="0")
     client.xreadgroup("trainer", "t1", {keys.traj: ">"}, count=1)  # 1 pending, 2 lag
     pub.publish(keys.dead, DeadLetter(stream=keys.traj, entry_id="1-0", raw=b"x", reason="bad"))
     client.zadd(keys.producers, {"a": now, "b": now - 60})
     client.set(keys.admitted, 12)
+    client.set(keys.version, 4)
     client.hset(keys.limits, mapping={"max_staleness": 1, "groups_per_step": 4})
     pub.publish(keys.metrics, ev("train", 4, "trainer", loss=1.0))
     ex = exporter()
@@ -149,7 +157,9 @@ def test_stream_health_series(exporter, client, keys):
     assert s[("streamer_stream_entries_added_total", (("stream", "traj"),))] == 3
     assert s[("streamer_stream_group_lag", (("group", "trainer"), ("stream", "traj")))] == 2
     assert s[("streamer_stream_group_pending", (("group", "trainer"), ("stream", "traj")))] == 1
-    assert s[("streamer_stream_group_entries_read_total", (("group", "trainer"), ("stream", "traj")))] == 1
+    assert (
+        s[("streamer_stream_group_entries_read_total", (("group", "trainer"), ("stream", "traj")))] == 1
+    )
     assert s[("streamer_stream_group_lag", (("group", METRICS_GROUP), ("stream", "metrics")))] == 1
     assert s[("streamer_dead_letters_total", ())] == 1
     assert s[("streamer_policy_version", ())] == 4
@@ -159,7 +169,9 @@ def test_stream_health_series(exporter, client, keys):
     assert s[("streamer_admission_limit_groups", ())] == (1 + 4 + 1) * 4
     assert 0 <= s[("streamer_train_seconds_since_last_step", ())] < 60
     assert s[("streamer_exporter_health_ok", ())] == 1
-    health_names = {n for n, _ in s if not n.startswith(("streamer_train_", "streamer_rollout_", "streamer_eval_"))}
+    health_names = {
+        n for n, _ in s if not n.startswith(("streamer_train_", "streamer_rollout_", "streamer_eval_"))
+    }
     assert health_names <= set(SERIES), health_names - set(SERIES)
 
 
@@ -184,7 +196,9 @@ def test_restart_keeps_counters_consistent(exporter, client, keys):
     assert after[("streamer_train_groups_accepted_total", ())] == 16
     assert after[("streamer_rollout_tokens_total", (("producer", "a"),))] == 15
     assert after[("streamer_rollout_tokens_total", (("producer", "b"),))] == 20
-    assert all(after[k] >= v for k, v in before.items() if k[0].endswith("_total")), "a counter went back"
+    assert all(after[k] >= v for k, v in before.items() if k[0].endswith("_total")), (
+        "a counter went back"
+    )
     group = next(g for g in client.xinfo_groups(keys.metrics) if g["name"] == METRICS_GROUP.encode())
     assert (group["pending"], group["lag"]) == (0, 0)
 
@@ -192,7 +206,9 @@ def test_restart_keeps_counters_consistent(exporter, client, keys):
 def test_bad_entries_never_crash(exporter, client, keys):
     pub = Publisher(client, keys, RunConfig().bus)
     client.xadd(keys.metrics, {FIELD: b"\xc1 not msgpack"})
-    pub.publish(keys.metrics, ev("rollout", 1, "producer-a", tokens=float("nan"), groups=-1, reward_mean=0.5))
+    pub.publish(
+        keys.metrics, ev("rollout", 1, "producer-a", tokens=float("nan"), groups=-1, reward_mean=0.5)
+    )
     ex = exporter()
     ex.consume(block=0.1)  # the bad entry goes to the dead-letter stream through the group
     s = scrape(ex.port)
@@ -202,19 +218,38 @@ def test_bad_entries_never_crash(exporter, client, keys):
 
 
 def test_producer_label_is_bounded(exporter, client, keys, monkeypatch):
-    monkeypatch.setattr("consumers.exporter.MAX_PRODUCER_LABELS", 2)
+    monkeypatch.setattr("consumers.metrics_state.MAX_PRODUCER_LABELS", 2)
     pub = Publisher(client, keys, RunConfig().bus)
     pub.publish_many(keys.metrics, [ev("rollout", i, f"producer-p{i}", groups=1) for i in range(5)])
     s = scrape(exporter().port)
-    labels = {dict(lb)["producer"]: v for (n, lb), v in s.items() if n == "streamer_rollout_groups_total"}
+    labels = {
+        dict(lb)["producer"]: v for (n, lb), v in s.items() if n == "streamer_rollout_groups_total"
+    }
     assert labels == {"p0": 1, "p1": 1, "other": 3}
 
 
 def test_cli_serves_healthz_and_exits_0_on_sigterm(redis_url, keys, client, tmp_path):
     port = free_port()
     Publisher(client, keys, RunConfig().bus).publish(keys.metrics, ev("eval", 1, "eval", accuracy=1.0))
-    cmd = [sys.executable, "-m", "streamer", "metrics", "--redis-url", redis_url, "--run", keys.run, "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamer",
+        "metrics",
+        "--redis-url",
+        redis_url,
+        "--run",
+        keys.run,
+        "--port",
+        str(port),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         body = _wait_healthz(port, proc)
         assert body["ok"] is True and body["events"] == 1

@@ -49,7 +49,9 @@ def wait_until(what: str, fn, procs: list[subprocess.Popen], timeout: float = 30
     while True:
         for p in procs:
             if p.poll() is not None:
-                pytest.fail(f"{what}: {p.args[0]} exited {p.returncode}: {p.stdout.read().decode()[-2000:]}")
+                pytest.fail(
+                    f"{what}: {p.args[0]} exited {p.returncode}: {p.stdout.read().decode()[-2000:]}"
+                )
         try:
             if result := fn():
                 return result
@@ -61,8 +63,12 @@ def wait_until(what: str, fn, procs: list[subprocess.Popen], timeout: float = 30
 
 def round_of_events(pub: Publisher, keys, client, i: int) -> None:
     """One step of a synthetic run: every catalog name on every axis, two producers."""
+
     def values(axis: str) -> dict[str, float]:
-        return {name: float(i + 1) if kind == "counter" else 0.1 * (i + 1) for name, (kind, _) in AXES[axis].items()}
+        return {
+            name: float(i + 1) if kind == "counter" else 0.1 * (i + 1)
+            for name, (kind, _) in AXES[axis].items()
+        }
 
     events = [MetricsEvent(axis="train", step=i + 1, values=values("train"), source="trainer")]
     events += [MetricsEvent(axis="rollout", step=2 * i + k, values=values("rollout"), source=f"producer-p{k}")
@@ -74,7 +80,9 @@ def round_of_events(pub: Publisher, keys, client, i: int) -> None:
     client.xreadgroup("trainer", "t", {keys.traj: ">"}, count=1)
     client.zadd(keys.producers, {"p1": time.time(), "p2": time.time()})
     if i == 2:
-        pub.publish(keys.dead, DeadLetter(stream=keys.traj, entry_id=f"{i}-0", raw=b"x", reason="malformed"))
+        pub.publish(
+            keys.dead, DeadLetter(stream=keys.traj, entry_id=f"{i}-0", raw=b"x", reason="malformed")
+        )
 
 
 def prometheus_config(tmp_path: Path, exporter_port: int) -> Path:
@@ -91,7 +99,11 @@ def prometheus_config(tmp_path: Path, exporter_port: int) -> Path:
 @pytest.mark.skipif(PROMTOOL is None, reason="`promtool` is absent (apt-get install -y prometheus)")
 def test_promtool_accepts_ops_files():
     ops = ROOT / "ops" / "prometheus"
-    for args in (["check", "config", "prometheus.yml"], ["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"]):
+    for args in (
+        ["check", "config", "prometheus.yml"],
+        ["check", "rules", "alerts.yml"],
+        ["test", "rules", "alerts_test.yml"],
+    ):
         res = subprocess.run([PROMTOOL, *args], cwd=ops, capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, f"promtool {' '.join(args)}:\n{res.stdout}{res.stderr}"
 
@@ -99,7 +111,9 @@ def test_promtool_accepts_ops_files():
 def test_every_dashboard_query_returns_data(redis_url, keys, client, tmp_path):
     pub = Publisher(client, keys, RunConfig().bus)
     client.xgroup_create(keys.traj, "trainer", id="0", mkstream=True)
-    pub.publish(keys.dead, DeadLetter(stream=keys.traj, entry_id="1-0", raw=b"x", reason="malformed msgpack"))
+    pub.publish(
+        keys.dead, DeadLetter(stream=keys.traj, entry_id="1-0", raw=b"x", reason="malformed msgpack")
+    )
     client.set(keys.admitted, 3)
     client.hset(keys.limits, mapping={"max_staleness": 1, "groups_per_step": 2})
     round_of_events(pub, keys, client, 0)
@@ -110,7 +124,8 @@ def test_every_dashboard_query_returns_data(redis_url, keys, client, tmp_path):
     exporter = subprocess.Popen(
         [sys.executable, "-m", "streamer", "metrics", "--config", str(run_toml), "--redis-url", redis_url,
          "--run", keys.run, "--port", str(exporter_port)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     prom = subprocess.Popen(
         [PROMETHEUS, f"--config.file={prometheus_config(tmp_path, exporter_port)}",
@@ -121,6 +136,7 @@ def test_every_dashboard_query_returns_data(redis_url, keys, client, tmp_path):
     api = f"http://127.0.0.1:{prom_port}/api/v1"
     procs = [exporter, prom]
     try:
+
         def query(expr: str) -> list:
             return get_json(f"{api}/query?" + urllib.parse.urlencode({"query": expr}))["data"]["result"]
 
