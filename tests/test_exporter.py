@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,10 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from consumers.exporter import SERIES, Exporter
-from schemas import DeadLetter, MetricsEvent, WeightSync
-from streamer.bus import FIELD, Publisher
+from schemas import DeadLetter, MetricsEvent, WeightSync, encode
+from streamer.bus import FIELD, Publisher, connect
 from streamer.config import RunConfig, replace
-from streamer.keys import METRICS_GROUP
+from streamer.keys import METRICS_GROUP, Keys
 from streamer.server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,3 +276,37 @@ def _wait_healthz(port: int, proc: subprocess.Popen) -> dict:
         except (urllib.error.URLError, ConnectionError):
             assert time.monotonic() < deadline, "exporter did not answer /healthz within 30 s"
             time.sleep(0.1)
+
+
+def test_survives_a_server_restart(private_valkey):
+    keys = Keys("restart")
+    ex = Exporter(make_cfg(private_valkey.url, keys.run))
+    client = connect(private_valkey.url)
+    pub = Publisher(client, keys, RunConfig().bus)
+    pub.publish(keys.metrics, ev("train", 1, "trainer", tokens=10))
+    stop = threading.Event()
+    loop = threading.Thread(target=ex.run, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        _wait(lambda: sum(ex.state.events.values()) == 1 and ex.health_ok, "the first event")
+        private_valkey.kill()
+        _wait(lambda: not ex.health_ok, "the exporter to notice the outage")
+        private_valkey.start()
+        connect(private_valkey.url).xadd(
+            keys.metrics, {FIELD: encode(ev("train", 2, "trainer", tokens=5))}
+        )
+        _wait(lambda: sum(ex.state.events.values()) == 2, "the event published after the restart")
+        assert ex.state.counters["streamer_train_tokens_total"] == 15
+        assert loop.is_alive()
+    finally:
+        stop.set()
+        loop.join(timeout=15)
+        ex.close()
+    assert not loop.is_alive(), "the loop did not stop within 15 s"
+
+
+def _wait(cond, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
