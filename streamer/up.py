@@ -83,7 +83,7 @@ class Stack:
 
     STOP_ORDER = ("produce", "eval", "train", "metrics")
 
-    def stop_all(self) -> None:
+    def stop_children(self) -> None:
         for kind in self.STOP_ORDER:
             group = [c for n, c in self.children.items() if n.startswith(kind)]
             threads = [threading.Thread(target=c.stop) for c in group]
@@ -91,6 +91,8 @@ class Stack:
                 t.start()
             for t in threads:
                 t.join()
+
+    def stop_server(self) -> None:
         if self.server:
             self.server.stop()
 
@@ -173,22 +175,26 @@ def main(cfg: RunConfig, args) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress(cfg, target_steps=args.steps or steps, live=not args.no_progress)
-    code = 0
+    code, summary = 0, ""
     try:
         code = _supervise(stack, progress, stop_requested)
         if code == 0 and not stop_requested.is_set():
             progress.wait_for_eval(progress.version(), FINAL_EVAL_WAIT, stop_requested)
     finally:
         print("\nstreamer up: stopping (producers, evaluator, trainer, exporter, server) ...", flush=True)
-        stack.stop_all()
-        for s, h in old.items():
-            signal.signal(s, h)
+        stack.stop_children()
+        try:
+            summary = progress.summary(time.monotonic() - started, cfg.weights_dir)
+        finally:
+            stack.stop_server()
+            for s, h in old.items():
+                signal.signal(s, h)
     failed = stack.failed()
     if failed is not None:
         code = 1
         print(f"\nstreamer up: {failed.name} exited with code {failed.exited()}; last lines of "
               f"{failed.log_path}:\n{failed.tail()}", file=sys.stderr)  # fmt: skip
-    print(progress.summary(time.monotonic() - started, cfg.weights_dir))
+    print(summary)
     return 130 if stop_requested.is_set() and code == 0 else code
 
 
