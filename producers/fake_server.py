@@ -140,6 +140,7 @@ class FakeCompletionsServer:
 def _handler(server: FakeCompletionsServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body go out as separate writes
 
         def do_POST(self):  # noqa: N802 - http.server's naming
             length = int(self.headers.get("Content-Length") or 0)

@@ -1,0 +1,130 @@
+"""Producer throughput vs number of producer processes, when sampling dominates.
+
+Each producer is a real `streamer produce` process (remote sampler, demo task) against one
+Redis-protocol server; the inference server is a test double with a fixed latency per
+request (producers.fake_server), standing in for vLLM/SGLang. Admission and backpressure
+are opened wide so only sampling limits throughput. For each N the producers start with
+admission shut, so start-up is not measured: once all N hold a row, admission opens, and
+after a warm-up the published groups are counted over a fixed window.
+
+    python bench/producer_scaling.py            # 1, 2, 4 producers  (< 1 minute)
+    python bench/producer_scaling.py --with-8   # and 8
+    python bench/producer_scaling.py --check    # exit 1 when 4 vs 1 is under 3.5x
+
+Prints groups/s per N and the ratio of 4 producers to 1 (goal: >= 3.5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from producers.fake_server import FakeCompletionsServer, canned  # noqa: E402
+from streamer.admission import Admission  # noqa: E402
+from streamer.bus import connect  # noqa: E402
+from streamer.keys import Keys  # noqa: E402
+from streamer.server import EmbeddedServer  # noqa: E402
+
+GOAL = 3.5
+WIDE_OPEN = 10**9
+
+
+def write_config(path: Path, *, run: str, redis_url: str, sampler_url: str, group_size: int) -> Path:
+    path.write_text(
+        f'[run]\nname = "{run}"\nredis_url = "{redis_url}"\ndata_dir = "{path.parent}"\n'
+        f"[trainer]\ngroups_per_step = {WIDE_OPEN}\n"
+        f"[bus]\nmax_unacked = {WIDE_OPEN}\n"
+        f'[producer]\nsampler = "remote"\nremote_url = "{sampler_url}"\ngroup_size = {group_size}\n'
+        "min_group_size = 1\nmax_new_tokens = 2\nshutdown_grace = 5.0\n"
+    )
+    return path
+
+
+def measure(n: int, *, redis_url: str, sampler_url: str, workdir: Path, window: float,
+            warmup: float, group_size: int) -> float:  # fmt: skip
+    """Groups per second published by ``n`` producer processes."""
+    keys = Keys(f"bench{uuid.uuid4().hex[:8]}")
+    client = connect(redis_url)
+    gate = Admission(client, keys, max_staleness=0, groups_per_step=1)
+    gate.publish_limits(max_staleness=0, groups_per_step=0)  # shut until every producer is up
+    config = write_config(workdir / f"{keys.run}.toml", run=keys.run, redis_url=redis_url,
+                          sampler_url=sampler_url, group_size=group_size)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "streamer", "--log-level", "WARNING", "produce",
+                          "--config", str(config), "--id", f"p{i}"], cwd=workdir, env=env)
+        for i in range(n)
+    ]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while client.hlen(keys.lease_owner) < n:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise SystemExit(f"{n} producers did not start")
+            time.sleep(0.1)
+        gate.publish_limits(max_staleness=0, groups_per_step=WIDE_OPEN)
+        time.sleep(warmup)
+        start, t0 = client.xlen(keys.traj), time.monotonic()
+        time.sleep(window)
+        end, t1 = client.xlen(keys.traj), time.monotonic()
+        return (end - start) / (t1 - t0)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for key in client.scan_iter(match=keys.all_keys_pattern(), count=1000):
+            client.delete(key)
+        client.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--latency", type=float, default=0.2, help="seconds per sampling request")
+    ap.add_argument("--window", type=float, default=6.0, help="seconds of counting per N")
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds after admission opens")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--with-8", action="store_true", help="also run 8 producers")
+    ap.add_argument("--redis-url", help="use this server instead of an embedded one")
+    ap.add_argument("--check", action="store_true", help=f"exit 1 when 4 vs 1 < {GOAL}x")
+    args = ap.parse_args()
+    counts = [1, 2, 4, 8] if args.with_8 else [1, 2, 4]
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp, FakeCompletionsServer(
+        canned([10, 5]), latency=args.latency
+    ) as sampler:
+        server = None if args.redis_url else EmbeddedServer(Path(tmp) / "valkey").start()
+        url = args.redis_url or server.url
+        try:
+            print(f"fixed sampler latency {args.latency * 1000:.0f} ms, G={args.group_size}, "
+                  f"window {args.window:.0f} s per N")  # fmt: skip
+            print(f"{'producers':>9}  {'groups/s':>9}  {'vs 1':>6}  {'ideal':>6}")
+            rates = {}
+            for n in counts:
+                rates[n] = measure(n, redis_url=url, sampler_url=sampler.url, workdir=Path(tmp),
+                                   window=args.window, warmup=args.warmup, group_size=args.group_size)  # fmt: skip
+                print(f"{n:>9}  {rates[n]:>9.2f}  {rates[n] / rates[1]:>5.2f}x  {n:>5}x", flush=True)
+        finally:
+            if server:
+                server.stop()
+    ratio = rates[4] / rates[1]
+    verdict = "meets" if ratio >= GOAL else "MISSES"
+    print(f"4 producers vs 1: {ratio:.2f}x ({verdict} the goal of >= {GOAL}x); "
+          f"bench took {time.monotonic() - began:.0f} s")  # fmt: skip
+    return 1 if args.check and ratio < GOAL else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
