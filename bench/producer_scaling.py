@@ -113,8 +113,10 @@ def main() -> int:
             print(f"{'producers':>9}  {'groups/s':>9}  {'vs 1':>6}  {'ideal':>6}")
             rates = {}
             for n in counts:
-                rates[n] = measure(n, redis_url=url, sampler_url=sampler.url, workdir=Path(tmp),
-                                   window=args.window, warmup=args.warmup, group_size=args.group_size)  # fmt: skip
+                rates[n] = measure(
+                    n, redis_url=url, sampler_url=sampler.url, workdir=Path(tmp),
+                    window=args.window, warmup=args.warmup, group_size=args.group_size,
+                )  # fmt: skip
                 print(f"{n:>9}  {rates[n]:>9.2f}  {rates[n] / rates[1]:>5.2f}x  {n:>5}x", flush=True)
         finally:
             if server:

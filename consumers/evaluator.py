@@ -98,7 +98,8 @@ class Evaluator:
             "rows": float(n),
             "eval_seconds": time.monotonic() - start,
         }
-        self.publisher.publish(self.keys.metrics, MetricsEvent(axis="eval", step=version, values=values, source=SOURCE))
+        event = MetricsEvent(axis="eval", step=version, values=values, source=SOURCE)
+        self.publisher.publish(self.keys.metrics, event)
         self.evaluated.append(version)
         log.info("version %d: accuracy %.3f, reward %.3f over %d rows (%.1fs)", version,
                  values["accuracy"], values["reward_mean"], n, values["eval_seconds"])  # fmt: skip
@@ -106,7 +107,8 @@ class Evaluator:
 
     def _reward(self, row: dict, completion) -> float:
         try:
-            return score(self.task.reward_fn, row, self.task.renderer.decode(completion.token_ids), completion)
+            text = self.task.renderer.decode(completion.token_ids)
+            return score(self.task.reward_fn, row, text, completion)
         except Exception as e:  # a user function: count the row as 0, keep evaluating
             log.warning("reward %s raised %s: %s (counted as 0)", self.task.reward_path, type(e).__name__, e)
             return 0.0

@@ -55,7 +55,8 @@ class Producer:
         self.leases = Leases(client, self.keys, owner=producer_id, lease_seconds=self.p.lease_seconds,
                              total_tickets=self.order.total_tickets(self.p.epochs))  # fmt: skip
         t = cfg.trainer
-        self.admission = Admission(client, self.keys, max_staleness=t.max_staleness, groups_per_step=t.groups_per_step)
+        self.admission = Admission(client, self.keys, max_staleness=t.max_staleness,
+                                   groups_per_step=t.groups_per_step)  # fmt: skip
         self.publisher = Publisher(client, self.keys, cfg.bus)
         self.follower = WeightFollower(client, self.keys, weights_dir=cfg.weights_dir, sampler=sampler)
         self.pending = Pending()
@@ -146,9 +147,11 @@ class Producer:
         if not completion.token_ids:
             return None
         try:
-            reward = score(self.task.reward_fn, row, self.task.renderer.decode(completion.token_ids), completion)
+            text = self.task.renderer.decode(completion.token_ids)
+            reward = score(self.task.reward_fn, row, text, completion)
         except Exception as e:  # a user function: anything it raises marks the sample failed
-            log.warning("reward %s raised %s: %s (sample dropped)", self.task.reward_path, type(e).__name__, e)
+            log.warning("reward %s raised %s: %s (sample dropped)",
+                        self.task.reward_path, type(e).__name__, e)  # fmt: skip
             return None
         return Sample.build(
             prompt_ids=prompt, completion_ids=completion.token_ids, logprobs=completion.logprobs,

@@ -45,7 +45,9 @@ class Pending:
         return bool(self.counts) or self.weight_load_seconds is not None
 
 
-def group_values(group: TrajectoryGroup, *, failures: int, current_version: int, timings: Timings) -> dict[str, float]:
+def group_values(
+    group: TrajectoryGroup, *, failures: int, current_version: int, timings: Timings
+) -> dict[str, float]:
     """The gauges and counters of one published group."""
     rewards = [s.reward for s in group.samples]
     lengths = [s.completion_len for s in group.samples]

@@ -10,6 +10,7 @@ import pytest
 
 from producers.dataset import DatasetError, Order, load_rows
 from producers.leases import EXHAUSTED, WAIT, Leases, slots_key
+from streamer import demo
 from streamer.admission import Admission
 
 
@@ -37,7 +38,7 @@ def _wait_expired(client, keys, ticket: int) -> None:
 
 
 def test_demo_rows_and_a_jsonl_file(tmp_path):
-    assert len(load_rows("demo")) == 100 and load_rows("demo", split="eval")[0]["answer"] == "0"
+    assert load_rows("demo") == demo.rows("train") and load_rows("demo", split="eval") == demo.rows("eval")
     p = tmp_path / "d.jsonl"
     p.write_text('{"prompt": "2+2=", "answer": "4"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
     rows = load_rows(str(p))

@@ -45,6 +45,10 @@ def _events(client, keys) -> list[MetricsEvent]:
     return [decode(f[b"d"], MetricsEvent) for _, f in client.xrange(keys.metrics)]
 
 
+def _steps(client, keys) -> list[int]:
+    return [e.step for e in _events(client, keys)]
+
+
 def _sync(client, keys, cfg, version: int, *, seed: int | None = None, sha: str | None = None) -> None:
     uri, digest = weights.write_version(demo.build_model(seed=version if seed is None else seed),
                                         cfg.weights_dir, version)  # fmt: skip
@@ -109,9 +113,9 @@ def test_streamer_eval_follows_versions_and_stops_on_sigterm(client, keys, redis
                             env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     cfg = replace(RunConfig(), run={"name": keys.run, "data_dir": str(tmp_path)})
     try:
-        _wait_for(lambda: [e.step for e in _events(client, keys)] == [0], 90, "version 0 evaluated", tmp_path)
+        _wait_for(lambda: _steps(client, keys) == [0], 90, "version 0 evaluated", tmp_path)
         _sync(client, keys, cfg, 1)
-        _wait_for(lambda: [e.step for e in _events(client, keys)] == [0, 1], 60, "version 1 evaluated", tmp_path)
+        _wait_for(lambda: _steps(client, keys) == [0, 1], 60, "version 1 evaluated", tmp_path)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

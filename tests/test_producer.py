@@ -20,7 +20,7 @@ from producers.dataset import Order
 from producers.fake_server import FakeCompletionsServer, canned
 from producers.leases import slots_key
 from producers.producer import Producer
-from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
+from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from schemas.metric_names import ROLLOUT
 from streamer import demo, weights
 from streamer.admission import Admission
@@ -75,7 +75,8 @@ def test_groups_and_metrics_as_published(client, keys, redis_url, tmp_path):
         assert g.group_id == f"{g.epoch}:{g.row}" and g.producer_id == "p1" and g.policy_version == 0
         assert len(g.samples) == 4 and all(s.version == 0 for s in g.samples)
         for s in g.samples:  # the prompt is the rendered row; rewards are the demo's
-            assert demo.tokenizer().decode(s.token_ids()[: s.prompt_len].tolist()).endswith("=<|end|><|assistant|>")
+            prompt = demo.tokenizer().decode(s.token_ids()[: s.prompt_len].tolist())
+            assert prompt.endswith("=<|end|><|assistant|>")
             text = demo.tokenizer().decode(s.completion_ids().tolist(), skip_special_tokens=True)
             assert s.reward == demo.reward(rows[g.row], text)
     events = _metrics(client, keys)
@@ -91,13 +92,13 @@ def test_a_new_weightsync_changes_the_version_of_the_next_groups(client, keys, r
     p = _producer(cfg, client)
     assert p.step() == "published" and _groups(client, keys)[-1].policy_version == 0
     uri, sha = weights.write_version(demo.build_model(seed=5), cfg.weights_dir, 1)
-    client.xadd(keys.policy, {b"d": _enc(WeightSync(version=1, step=1, uri=uri, sha256=sha))})
+    client.xadd(keys.policy, {b"d": encode(WeightSync(version=1, step=1, uri=uri, sha256=sha))})
     assert p.step() == "published"
     g = _groups(client, keys)[-1]
     assert g.policy_version == 1 and {s.version for s in g.samples} == {1}
     assert _metrics(client, keys)[-1].values["weight_loads"] == 1
     uri2, _ = weights.write_version(demo.build_model(seed=6), cfg.weights_dir, 2)
-    client.xadd(keys.policy, {b"d": _enc(WeightSync(version=2, step=2, uri=uri2, sha256="0" * 64))})
+    client.xadd(keys.policy, {b"d": encode(WeightSync(version=2, step=2, uri=uri2, sha256="0" * 64))})
     assert p.step() == "published"  # a version that cannot be loaded: keep sampling with v1
     assert _groups(client, keys)[-1].policy_version == 1
     assert _metrics(client, keys)[-1].values["weight_load_errors"] == 1
@@ -157,8 +158,7 @@ def test_concurrent_producers_never_exceed_the_admission_rule(client, keys, redi
         for version, allowed in ((0, 2), (1, 4)):
             client.set(keys.version, version)
             # every producer holds a row and waits for a slot: nothing more can be published
-            _wait_for(lambda: client.xlen(keys.traj) >= allowed and client.hlen(keys.lease_owner) == 3
-                      and client.scard(slots_key(keys)) == 0, 30, f"3 producers blocked at v{version}")  # fmt: skip
+            _wait_for(lambda n=allowed: _blocked(client, keys, n), 30, f"3 producers blocked at v{version}")
             assert client.xlen(keys.traj) == allowed and int(client.get(keys.admitted)) == allowed
     finally:
         stop.set()
@@ -169,10 +169,13 @@ def test_concurrent_producers_never_exceed_the_admission_rule(client, keys, redi
     assert int(client.get(keys.admitted)) == 4 and client.zcard(keys.producers) == 0
 
 
-def _enc(event) -> bytes:
-    from schemas import encode
-
-    return encode(event)
+def _blocked(client, keys, published: int) -> bool:
+    """``published`` groups out, and each of the 3 producers holds a row but no slot."""
+    return (
+        client.xlen(keys.traj) >= published
+        and client.hlen(keys.lease_owner) == 3
+        and client.scard(slots_key(keys)) == 0
+    )
 
 
 # ---------------------------------------------------------------- processes
@@ -206,7 +209,8 @@ def _exit(proc: subprocess.Popen, tmp_path: Path, pid: str, timeout: float = 90)
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError(f"{pid} did not exit:\n{(tmp_path / f'{pid}.log').read_text()[-3000:]}") from None
+        log = (tmp_path / f"{pid}.log").read_text()[-3000:]
+        raise AssertionError(f"{pid} did not exit:\n{log}") from None
 
 
 def _dataset(tmp_path, n: int) -> Path:
@@ -218,12 +222,13 @@ def _dataset(tmp_path, n: int) -> Path:
 @pytest.mark.slow
 def test_three_processes_cover_each_epoch_exactly_once(client, keys, redis_url, tmp_path):
     config = _write_config(tmp_path, keys, redis_url, dataset=str(_dataset(tmp_path, 6)), epochs=2)
-    Admission(client, keys, max_staleness=0, groups_per_step=1).publish_limits(max_staleness=0, groups_per_step=0)
+    gate = Admission(client, keys, max_staleness=0, groups_per_step=1)
+    gate.publish_limits(max_staleness=0, groups_per_step=0)
     procs = {pid: _spawn(config, pid, tmp_path) for pid in ("a", "b", "c")}
     # admission is shut: each claims a row and waits, so all three take part
     _wait_for(lambda: set(client.hvals(keys.lease_owner)) == {b"a", b"b", b"c"}, 90, "3 producers with a row")
     assert client.zcard(keys.producers) == 3  # heartbeats
-    Admission(client, keys, max_staleness=0, groups_per_step=1).publish_limits(max_staleness=0, groups_per_step=100)
+    gate.publish_limits(max_staleness=0, groups_per_step=100)
     assert [_exit(p, tmp_path, pid) for pid, p in procs.items()] == [0, 0, 0]
     groups = _groups(client, keys)
     assert sorted((g.epoch, g.row) for g in groups) == [(e, r) for e in range(2) for r in range(6)]
