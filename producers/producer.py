@@ -100,7 +100,10 @@ class Producer:
             self.leases.hand_back(ticket)
             return self._sampler_failed(e)
         except BaseException:
-            self.leases.hand_back(ticket)
+            try:
+                self.leases.hand_back(ticket)
+            except redis.exceptions.RedisError as e:  # the lease will expire instead
+                log.error("could not hand back ticket %d: %s", ticket, e)
             raise
         finally:
             self.current = None
