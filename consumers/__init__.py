@@ -1,0 +1,7 @@
+"""Consumers of the run's streams: the trainer (and the evaluator and metrics exporter).
+
+The trainer is split so its core never sees Redis: ``loss`` (the objective, pure tensor
+functions), ``batch`` (groups -> padded tensors), ``filters`` (which groups to train),
+``learner`` (the optimizer step) and ``checkpoint`` (atomic, pickle-free state) know
+nothing of streams; ``feed`` (the background reader) and ``trainer`` (the process) do.
+"""

@@ -1,0 +1,129 @@
+"""Which trajectory groups the trainer trains on, and why the others are rejected.
+
+A verdict is either an accepted group (possibly with over-long samples dropped or masked)
+or a reason from ``schemas.metric_names.REJECT_REASONS``. The checks, in order:
+
+1. ``stale``: ``version - group.policy_version > max_staleness``;
+2. ``too_few_samples``: fewer than ``min_group_size`` complete samples (aborted samples,
+   ``finish_reason == "abort"``, are incomplete and always dropped);
+3. ``overlong``: samples truncated without EOS (``finish_reason == "length"``) are dropped
+   (``drop``), kept with zero loss weight (``mask``) or kept as they are (``keep``); the
+   group is rejected when that leaves fewer than ``min_group_size`` trainable samples;
+4. ``zero_variance``: every reward equal, so every advantage is 0 and the group teaches
+   nothing (it would only dilute the token-mean);
+5. ``user_filter``: a ``(group) -> bool`` function named by import path returned False.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from schemas import Sample, TrajectoryGroup
+from streamer.config import TrainerSection
+from streamer.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+GroupPredicate = Callable[[TrajectoryGroup], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    group: TrajectoryGroup | None  # the group to train (maybe with samples dropped/masked)
+    reason: str | None = None  # one of REJECT_REASONS when rejected
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason is None
+
+
+def is_stale(group: TrajectoryGroup, *, version: int, max_staleness: int) -> bool:
+    return version - group.policy_version > max_staleness
+
+
+def load_predicate(path: str) -> GroupPredicate:
+    """``module:function`` (or ``module.function``) -> the callable; ConfigError if not."""
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    if not module or not attr:
+        raise ConfigError(f"`trainer.user_filter` {path!r} must be 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"`trainer.user_filter` {path!r} cannot be imported: {e}") from None
+    if not callable(fn):
+        raise ConfigError(f"`trainer.user_filter` {path!r} is not callable")
+    return fn
+
+
+class GroupFilter:
+    """The trainer's filters, configured once; call it with a group and the current version."""
+
+    def __init__(
+        self,
+        *,
+        max_staleness: int,
+        min_group_size: int = 1,
+        overlong: str = "drop",
+        user_filter: GroupPredicate | None = None,
+    ):
+        if overlong not in ("drop", "mask", "keep"):
+            raise ConfigError(f"`trainer.overlong` must be drop, mask or keep, got {overlong!r}")
+        self.max_staleness, self.min_group_size = max_staleness, min_group_size
+        self.overlong, self.user_filter = overlong, user_filter
+
+    @classmethod
+    def from_config(cls, cfg: TrainerSection) -> GroupFilter:
+        return cls(
+            max_staleness=cfg.max_staleness,
+            min_group_size=cfg.min_group_size,
+            overlong=cfg.overlong,
+            user_filter=load_predicate(cfg.user_filter) if cfg.user_filter else None,
+        )
+
+    def __call__(self, group: TrajectoryGroup, *, version: int) -> Verdict:
+        if is_stale(group, version=version, max_staleness=self.max_staleness):
+            return Verdict(None, "stale")
+        complete = [s for s in group.samples if s.finish_reason != "abort"]
+        if len(complete) < self.min_group_size:
+            return Verdict(None, "too_few_samples")
+        group = self._handle_overlong(group, complete)
+        if group is None:
+            return Verdict(None, "overlong")
+        rewards = group.rewards()
+        if bool((rewards == rewards[0]).all()):
+            return Verdict(None, "zero_variance")
+        if self.user_filter is not None and not self._user_accepts(group):
+            return Verdict(None, "user_filter")
+        return Verdict(group)
+
+    def _handle_overlong(self, group: TrajectoryGroup, samples: list[Sample]) -> TrajectoryGroup | None:
+        if self.overlong == "drop":
+            samples = [s for s in samples if s.finish_reason != "length"]
+        elif self.overlong == "mask":
+            samples = [_zero_weight(s) if s.finish_reason == "length" else s for s in samples]
+        trainable = [s for s in samples if s.loss_mask().any()]
+        if len(trainable) < max(self.min_group_size, 1):
+            return None
+        if len(samples) == len(group.samples) and all(a is b for a, b in zip(samples, group.samples)):
+            return group
+        oldest = min(s.version for s in samples)
+        return msgspec.structs.replace(group, samples=samples, policy_version=oldest)
+
+    def _user_accepts(self, group: TrajectoryGroup) -> bool:
+        try:
+            return bool(self.user_filter(group))
+        except Exception:  # a user's bug rejects the group, loudly, instead of killing training
+            log.exception("user filter raised on group %s; rejecting it", group.group_id)
+            return False
+
+
+def _zero_weight(sample: Sample) -> Sample:
+    return msgspec.structs.replace(sample, mask=bytes(sample.completion_len))
+

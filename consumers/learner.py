@@ -1,0 +1,139 @@
+"""The training step: model + optimizer + one batch -> updated weights and step metrics.
+
+No Redis, no files: the trainer process hands it :class:`~consumers.batch.Batch` objects.
+One step (see consumers/loss.py for the objective):
+
+1. recompute the proximal log-probs of the whole batch once, without grad (and the frozen
+   reference model's, when ``kl_coef > 0``), plus the policy entropy as a metric;
+2. split the batch into ``ppo_minibatches`` row slices; for each, accumulate gradients
+   over micro-batches of ``micro_batch_size`` rows (normalised by the whole minibatch),
+   clip the global grad norm, set the warmed-up LR and take one AdamW update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from consumers import loss as L
+from consumers.batch import Batch
+from streamer.config import TrainerSection
+
+log = logging.getLogger(__name__)
+
+BETAS = (0.9, 0.999)
+
+
+class Learner:
+    def __init__(self, model, cfg: TrainerSection, *, ref_model=None, step: int = 0):
+        if cfg.kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a reference model")
+        self.model, self.cfg, self.ref_model, self.step = model, cfg, ref_model, step
+        self.device = next(model.parameters()).device
+        _disable_dropout(model)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        if ref_model is not None:
+            ref_model.eval().requires_grad_(False)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay
+        )
+
+    def lr_at(self, step: int) -> float:
+        """LR of optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``."""
+        if self.cfg.warmup_steps <= 0:
+            return self.cfg.lr
+        return self.cfg.lr * min(1.0, (step + 1) / self.cfg.warmup_steps)
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_logits(self, model, mb: Batch) -> torch.Tensor:
+        """(b, T-1, V) next-token logits of ``mb``'s inputs."""
+        with self.autocast():
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        return out.logits[:, :-1]
+
+    @torch.no_grad()
+    def prepare(self, batch: Batch) -> tuple[Batch, float]:
+        """Fill ``prox_logp`` (and ``ref_logp``); returns the batch and its mean entropy."""
+        micro = self.cfg.micro_batch_size
+        prox, ref, ent_sum = [], [], 0.0
+        width = batch.weights.shape[1]
+        for mb in batch.chunks(micro):
+            logits = self.forward_logits(self.model, mb)
+            prox.append(_pad(L.token_logprobs(logits, mb.targets), width))
+            ent_sum += float((L.token_entropy(logits) * mb.weights).sum())
+            del logits
+            if self.ref_model is not None:
+                ref_logits = self.forward_logits(self.ref_model, mb)
+                ref.append(_pad(L.token_logprobs(ref_logits, mb.targets), width))
+        batch = batch.replace(prox_logp=torch.cat(prox), ref_logp=torch.cat(ref) if ref else None)
+        return batch, ent_sum / max(float(batch.weights.sum()), 1e-8)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step's worth of updates on ``batch``; returns its metrics."""
+        self.model.train()
+        batch = batch.to(self.device, non_blocking=True)
+        batch, entropy = self.prepare(batch)
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        totals: dict[str, float] = {}
+        minibatches = batch.split(self.cfg.ppo_minibatches)
+        for mb in minibatches:
+            for k, v in self._update(mb).items():
+                totals[k] = max(totals.get(k, 0.0), v) if k == "is_weight_max" else totals.get(k, 0.0) + v
+        self.step += 1
+        n = len(minibatches)
+        metrics = {k: (v if k == "is_weight_max" else v / n) for k, v in totals.items()}
+        metrics.update(entropy=entropy, lr=lr, tokens=float(batch.num_tokens))
+        return metrics
+
+    def _update(self, mb: Batch) -> dict[str, float]:
+        """Accumulate the minibatch's gradient over micro-batches, clip, step."""
+        cfg = self.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        denom = L.normalizer(mb.weights, cfg.loss_agg)
+        n_tok = max(float((mb.weights > 0).sum()), 1.0)
+        out = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "is_weight_mean": 0.0, "is_weight_max": 0.0}
+        for micro in mb.chunks(cfg.micro_batch_size):
+            logp = L.token_logprobs(self.forward_logits(self.model, micro), micro.targets)
+            loss, stats = L.ppo_loss(
+                logp=logp, prox_logp=micro.prox_logp, sampler_logp=micro.sampler_logp,
+                advantages=micro.advantages, weights=micro.weights, eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
+                ref_logp=micro.ref_logp, agg=cfg.loss_agg, denom=denom,
+            )  # fmt: skip
+            loss.backward()
+            share = float((micro.weights > 0).sum()) / n_tok  # token share of this micro-batch
+            out["loss"] += loss.item()
+            out["policy_loss"] += float(stats["policy_loss"])
+            out["kl"] += float(stats["kl"])
+            out["clip_fraction"] += float(stats["clip_fraction"]) * share
+            out["is_weight_mean"] += float(stats["is_weight_mean"]) * share
+            out["is_weight_max"] = max(out["is_weight_max"], float(stats["is_weight_max"]))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.optimizer.step()
+        out["grad_norm"] = float(grad_norm)
+        return out
+
+
+def _disable_dropout(model) -> None:
+    """RL updates run without dropout: then prox == logp on fresh data (exact on-policy GRPO)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad (b, w) to (b, width) with zeros (micro-batches are trimmed to their own width)."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t

@@ -1,0 +1,274 @@
+"""`streamer train`: the trainer process — trajectory stream in, policy versions out.
+
+Start: load the newest valid checkpoint (if any), publish its weights as a new policy
+version (one past the newest on the policy stream: a version number is never reused),
+publish the staleness limits for admission, acknowledge pending entries the checkpoint
+already covers, and start the feed thread. Then, per step:
+
+    batch  = next groups_per_step accepted groups (collated while the last step ran)
+    learner.train_step(batch)                       # consumers/learner.py
+    version += 1; write weights; XADD WeightSync + SET version (one MULTI); prune weights
+    every checkpoint_every steps: checkpoint, then XACK what it covers, trim the stream
+    publish the step's train metrics
+
+SIGTERM/SIGINT: the current step finishes, a final checkpoint covers what was trained,
+exit 0. A crash loses at most the steps since the last checkpoint: their entries are still
+pending, so they are trained again after the restart, exactly once into the persisted model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import signal
+import threading
+import time
+
+import torch
+
+from consumers import checkpoint
+from consumers.batch import collate
+from consumers.feed import Feeder, Ready, parse_id
+from consumers.filters import GroupFilter, is_stale
+from consumers.learner import Learner
+from schemas import MetricsEvent, TrajectoryGroup, WeightSync, encode
+from schemas.metric_names import REJECT_REASONS
+from streamer import models, weights
+from streamer.admission import Admission
+from streamer.bus import FIELD, Consumer, Tail, connect, retrying, trim_acked
+from streamer.config import RunConfig
+from streamer.keys import TRAINER_GROUP, Keys
+
+log = logging.getLogger(__name__)
+
+CONSUMER_NAME = "trainer-0"  # one trainer per run: a stable name finds its pending entries again
+
+
+class Trainer:
+    """The step loop around a :class:`Learner`; owns the stream, weights and checkpoints."""
+
+    def __init__(self, cfg: RunConfig, client, keys: Keys, learner: Learner, *, stop: threading.Event, name: str = CONSUMER_NAME):
+        self.cfg, self.tc, self.client, self.keys = cfg, cfg.trainer, client, keys
+        self.learner, self.stop, self.name = learner, stop, name
+        self.admission = Admission(
+            client, keys, max_staleness=self.tc.max_staleness, groups_per_step=self.tc.groups_per_step
+        )
+        self.version = 0
+        self.parent: str | None = None  # the newest checkpoint
+        self.checkpointed_version = -1
+        self.high_water = "0-0"  # newest entry id trained into the model
+        self.trained: list[tuple[str, str]] = []  # (entry id, group id) since the last checkpoint
+        self.feeder: Feeder | None = None
+
+    @property
+    def step(self) -> int:
+        return self.learner.step
+
+    # ------------------------------------------------------------ start
+
+    def start(self) -> None:
+        self._restore()
+        self.version = self._next_version()
+        self._publish_weights(self.version)
+        log.info("policy version %d at step %d (%s)", self.version, self.step, self.parent or "initial weights")
+        self.admission.publish_limits(max_staleness=self.tc.max_staleness, groups_per_step=self.tc.groups_per_step)
+        consumer = Consumer(
+            self.client, self.keys, self.keys.traj, TRAINER_GROUP, self.name,
+            as_type=TrajectoryGroup, cfg=self.cfg.bus,
+        )  # fmt: skip
+        self._ack_covered_pending()
+        tc = self.tc
+        self.feeder = Feeder(
+            consumer,
+            admission=self.admission,
+            group_filter=GroupFilter.from_config(tc),
+            groups_per_step=tc.groups_per_step,
+            collate=lambda groups: collate(groups, std_normalize=tc.std_normalize, std_floor=tc.std_floor),
+            version=lambda: self.version,
+            high_water=self.high_water,
+            pin_memory=self.learner.device.type == "cuda",
+            block_seconds=min(self.cfg.bus.block_seconds, 0.5),
+        ).start()
+
+    def _restore(self) -> None:
+        found = checkpoint.latest(self.cfg.checkpoint_dir)
+        if found is None:
+            log.info("no checkpoint in %s: starting from the initial weights", self.cfg.checkpoint_dir)
+            return
+        path, meta = found
+        checkpoint.restore(path, meta, model=self.learner.model, optimizer=self.learner.optimizer)
+        self.learner.step = meta.step
+        self.parent, self.high_water, self.checkpointed_version = meta.name, meta.high_water, meta.version
+        log.info("restored checkpoint %s (step %d, high-water %s)", meta.name, meta.step, meta.high_water)
+
+    def _next_version(self) -> int:
+        """One past the newest version anywhere (policy stream, version key); 0 on a new run."""
+        newest = Tail(self.client, self.keys.policy, as_type=WeightSync).latest()
+        known = [v.version for v in [newest] if v is not None]
+        if (raw := self.client.get(self.keys.version)) is not None:
+            known.append(int(raw))
+        if newest is None and self.client.xlen(self.keys.policy):
+            raise RuntimeError(f"newest entry of {self.keys.policy} does not decode; cannot pick a version")
+        return max(known) + 1 if known else 0
+
+    def _ack_covered_pending(self) -> None:
+        """Pending entries the checkpoint covers (a crash between checkpoint and XACK)."""
+        if self.high_water == "0-0":
+            return
+        rows = self.client.xpending_range(
+            self.keys.traj, TRAINER_GROUP, min="-", max=self.high_water, count=1_000_000, consumername=self.name
+        )
+        ids = [r["message_id"] for r in rows]
+        if ids:
+            self.client.xack(self.keys.traj, TRAINER_GROUP, *ids)
+            log.info("acknowledged %d pending entries the checkpoint already covers", len(ids))
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        self.start()
+        try:
+            while not self.stop.is_set() and not self._done():
+                ready, waited = self._next_batch()
+                if ready is None:
+                    break
+                self._train(ready, waited)
+        finally:
+            self.feeder.stop()
+        if self.trained:
+            self.checkpoint()
+        log.info("stopped at step %d, version %d", self.step, self.version)
+        return 0
+
+    def _done(self) -> bool:
+        return self.tc.steps > 0 and self.step >= self.tc.steps
+
+    def _next_batch(self) -> tuple[Ready | None, float]:
+        """The next batch of groups still within the staleness window (None once stopped)."""
+        start = time.monotonic()
+        while not self.stop.is_set():
+            ready = self.feeder.next(timeout=0.25)
+            if ready is None:
+                continue
+            entries = list(zip(ready.entry_ids, ready.groups))
+            stale = {i for i, g in entries if is_stale(g, version=self.version, max_staleness=self.tc.max_staleness)}
+            if not stale:
+                return ready, time.monotonic() - start
+            self.feeder.reject([(i, "stale") for i in stale])  # the version moved on while it waited
+            self.feeder.give_back([e for e in entries if e[0] not in stale])
+        return None, time.monotonic() - start
+
+    def _train(self, ready: Ready, waited: float) -> None:
+        lags = [self.version - g.policy_version for g in ready.groups]
+        t0 = time.monotonic()
+        stats = self.learner.train_step(ready.batch)
+        step_seconds = time.monotonic() - t0
+        self.trained.extend((e, g.group_id) for e, g in zip(ready.entry_ids, ready.groups))
+        self.high_water = max([self.high_water, *ready.entry_ids], key=parse_id)
+        t1 = time.monotonic()
+        self.version += 1
+        self._publish_weights(self.version)
+        weights.prune(self.cfg.weights_dir, self.tc.keep_versions, protect=(self.checkpointed_version,))
+        sync_seconds = time.monotonic() - t1
+        if self.step % self.tc.checkpoint_every == 0:
+            self.checkpoint()
+        rewards = [r for g in ready.groups for r in g.rewards().tolist()]
+        values = {
+            **stats,
+            "tokens_per_second": stats["tokens"] / max(step_seconds, 1e-9),
+            "step_seconds": step_seconds,
+            "data_wait_seconds": waited,
+            "staleness_mean": sum(lags) / len(lags),
+            "staleness_max": float(max(lags)),
+            "reward_mean": sum(rewards) / len(rewards),
+            "version": float(self.version),
+            "weight_sync_seconds": sync_seconds,
+            "groups_accepted": float(len(ready.groups)),
+        }
+        rejected = self.feeder.take_rejections()
+        values.update({f"groups_rejected_{r}": float(rejected.get(r, 0)) for r in REJECT_REASONS})
+        self._publish_metrics(values)
+        log.info(
+            "step %d v%d loss %.4f reward %.3f staleness %.1f step %.2fs wait %.2fs sync %.2fs",
+            self.step, self.version, stats["loss"], values["reward_mean"], values["staleness_mean"],
+            step_seconds, waited, sync_seconds,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------ outputs
+
+    def _publish_weights(self, version: int) -> None:
+        uri, sha = weights.write_version(self.learner.model, self.cfg.weights_dir, version)
+        sync = WeightSync(version=version, step=self.step, uri=uri, sha256=sha)
+
+        def publish():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xadd(self.keys.policy, {FIELD: encode(sync)})
+            pipe.set(self.keys.version, version)
+            pipe.execute()
+
+        retrying(publish, what="publishing weights")
+
+    def _publish_metrics(self, values: dict[str, float]) -> None:
+        event = MetricsEvent(axis="train", step=self.step, values=values, source="trainer")
+        retrying(lambda: self.client.xadd(self.keys.metrics, {FIELD: encode(event)}), what="publishing metrics")
+
+    def checkpoint(self) -> None:
+        """Persist what was trained, then acknowledge the entries it covers."""
+        entry_ids = [e for e, _ in self.trained]
+        meta = checkpoint.save(
+            self.cfg.checkpoint_dir, model=self.learner.model, optimizer=self.learner.optimizer,
+            step=self.step, version=self.version, parent=self.parent, high_water=self.high_water,
+            group_ids=[g for _, g in self.trained], entry_ids=entry_ids,
+        )  # fmt: skip
+        self.parent, self.checkpointed_version, self.trained = meta.name, meta.version, []
+        if entry_ids:
+            retrying(lambda: self.client.xack(self.keys.traj, TRAINER_GROUP, *entry_ids), what="acknowledging")
+            self.feeder.acked(entry_ids)
+            trim_acked(self.client, self.keys.traj)
+        checkpoint.prune(self.cfg.checkpoint_dir, self.tc.keep_checkpoints)
+        log.info("checkpoint %s covers %d groups (high-water %s)", meta.name, len(entry_ids), meta.high_water)
+
+
+# ---------------------------------------------------------------- the process
+
+
+def build_learner(cfg: RunConfig) -> Learner:
+    """The policy (and frozen reference) from the model config, seeded by run.seed."""
+    random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    model = models.load_model(cfg.model, seed=cfg.run.seed)
+    ref = models.load_model(cfg.model, seed=cfg.run.seed) if cfg.trainer.kl_coef > 0 else None
+    return Learner(model, cfg.trainer, ref_model=ref)
+
+
+def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
+    """`streamer train`: run until trainer.steps (0 = forever) or SIGTERM/SIGINT; 0 when stopped."""
+    stop = threading.Event()
+    previous = {}
+
+    def on_signal(signum, _frame):
+        log.info("%s: finishing the current step, then a final checkpoint", signal.Signals(signum).name)
+        stop.set()
+        for sig, handler in previous.items():  # a second signal is not graceful
+            signal.signal(sig, handler)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, on_signal)
+    _quiet_transformers()
+    try:
+        client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
+        keys = Keys(cfg.run.name)
+        learner = build_learner(cfg)
+        log.info("trainer for run %s on %s", cfg.run.name, learner.device)
+        return Trainer(cfg, client, keys, learner, stop=stop).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _quiet_transformers() -> None:
+    """No progress bars in a long-running process's log (one per saved version otherwise)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

@@ -1,0 +1,69 @@
+"""Groups -> padded tensors: alignment of weights and log-probs, masks, advantages, splits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from consumers.batch import collate
+from schemas import Sample, TrajectoryGroup
+from trainer_data import make_group
+
+
+def _group(samples, gid="g") -> TrajectoryGroup:
+    return TrajectoryGroup(
+        group_id=gid, row=0, epoch=0, producer_id="t", samples=samples,
+        policy_version=min(s.version for s in samples), created_at=0.0,
+    )  # fmt: skip
+
+
+def test_alignment_with_different_prompt_lengths():
+    a = Sample.build(prompt_ids=[11, 12, 13], completion_ids=[21, 22], logprobs=[-0.1, -0.2], reward=1.0, finish_reason="stop", version=0)
+    b = Sample.build(prompt_ids=[14], completion_ids=[23, 24, 25, 26], logprobs=[-1, -2, -3, -4], reward=0.0, finish_reason="stop", version=0, mask=[1, 0, 1, 1])
+    batch = collate([_group([a, b])], pad_id=0)
+    assert batch.input_ids.tolist() == [[11, 12, 13, 21, 22], [14, 23, 24, 25, 26]]
+    assert batch.attention_mask.tolist() == [[1] * 5, [1] * 5]
+    # target t is input t+1: a's completion tokens 21, 22 are targets 2, 3
+    assert batch.targets.tolist() == [[12, 13, 21, 22], [23, 24, 25, 26]]
+    assert batch.weights.tolist() == [[0, 0, 1, 1], [1, 0, 1, 1]]
+    torch.testing.assert_close(batch.sampler_logp, torch.tensor([[0, 0, -0.1, -0.2], [-1, 0, -3, -4]]))
+    assert batch.advantages.tolist() == pytest.approx([1.0, -1.0], abs=1e-4)
+    assert batch.num_tokens == 5
+
+
+def test_padding_and_group_advantages():
+    short = Sample.build(prompt_ids=[1, 2], completion_ids=[3], logprobs=[-0.5], reward=2.0, finish_reason="stop", version=1)
+    long = Sample.build(prompt_ids=[1, 2, 4, 5], completion_ids=[6, 7], logprobs=[-1, -1], reward=0.0, finish_reason="stop", version=2)
+    g1 = _group([short, long], "g1")
+    g2 = _group([long, short, short], "g2")
+    batch = collate([g1, g2], pad_id=9, std_normalize=False)
+    assert batch.input_ids.shape == (5, 6)
+    assert batch.input_ids[0].tolist() == [1, 2, 3, 9, 9, 9]
+    assert batch.attention_mask[0].tolist() == [1, 1, 1, 0, 0, 0]
+    assert batch.weights[0].tolist() == [0, 1, 0, 0, 0]  # nothing trained on padding
+    # centred per group: g1 mean 1, g2 mean 4/3
+    assert batch.advantages.tolist() == pytest.approx([1, -1, -4 / 3, 2 / 3, 2 / 3])
+
+
+def test_split_trims_padding_and_keeps_rows():
+    rng = random.Random(3)
+    groups = [make_group(rng, rewards=(1, 0, 1), finishes=["stop", "length", "stop"]) for _ in range(3)]
+    batch = collate(groups)
+    parts = batch.split(4)
+    assert sum(p.size for p in parts) == batch.size == 9
+    assert torch.equal(torch.cat([p.advantages for p in parts]), batch.advantages)
+    for p in parts:
+        assert p.input_ids.shape[1] == p.attention_mask.sum(-1).max()
+        assert p.weights.shape[1] == p.input_ids.shape[1] - 1 == p.sampler_logp.shape[1]
+    assert sum(p.num_tokens for p in parts) == batch.num_tokens
+    assert len(batch.split(100)) == 9
+    chunks = batch.chunks(4)
+    assert [c.size for c in chunks] == [4, 4, 1]
+    assert batch.chunks(0) == [batch]
+
+
+def test_collate_rejects_nothing_to_train():
+    with pytest.raises(ValueError):
+        collate([])

@@ -1,0 +1,180 @@
+"""The trainer against a real server: filters and admission slots, exactly-once around a crash
+between checkpoint and XACK (in process), and `python -m streamer train` end to end."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import signal
+import threading
+
+import pytest
+
+from consumers import checkpoint, trainer
+from consumers.learner import Learner
+from schemas import MetricsEvent, WeightSync, decode
+from schemas.metric_names import TRAIN
+from streamer import demo, weights
+from streamer.bus import FIELD, Tail, connect
+from streamer.config import RunConfig, TrainerSection, replace
+from streamer.keys import TRAINER_GROUP, Keys
+from trainer_data import make_group, policy_versions, publish, start_trainer, wait_until, write_config
+
+
+def _cfg(url, keys, tmp_path, **trainer_fields) -> RunConfig:
+    fields = {"groups_per_step": 2, "lr": 1e-3, "max_staleness": 1, **trainer_fields}
+    return replace(RunConfig(), run={"name": keys.run, "redis_url": url, "data_dir": str(tmp_path)}, trainer=fields)
+
+
+def _trainer(cfg: RunConfig, client, keys) -> trainer.Trainer:
+    learner = Learner(demo.build_model(cfg.run.seed), cfg.trainer)
+    return trainer.Trainer(cfg, client, keys, learner, stop=threading.Event())
+
+
+def _metrics(client, keys) -> list[MetricsEvent]:
+    return [decode(f[FIELD], MetricsEvent) for _, f in client.xrange(keys.metrics)]
+
+
+def _trained(cfg: RunConfig) -> list[str]:
+    return [g for m in checkpoint.audit_chain(cfg.checkpoint_dir) for g in m.group_ids]
+
+
+def test_rejections_release_slots_and_are_counted(redis_url, keys, client, tmp_path):
+    rng = random.Random(1)
+    client.set(keys.version, 5)  # an earlier trainer got to version 5: this one publishes 6
+    stale = make_group(rng, version=4)  # 6 - 4 > max_staleness 1
+    flat = make_group(rng, version=5, rewards=(1, 1, 1, 1))
+    overlong = make_group(rng, version=5, rewards=(1, 0, 1), finishes=["length"] * 3)
+    lonely = make_group(rng, version=5, rewards=(1,))
+    good = [make_group(rng, version=v) for v in (5, 6)]
+    publish(client, keys.traj, [stale, flat, overlong, lonely, *good])
+    client.set(keys.admitted, 6)  # as the producers' admission would have
+    cfg = _cfg(redis_url, keys, tmp_path, steps=1)
+    assert _trainer(cfg, client, keys).run() == 0
+
+    assert int(client.get(keys.admitted)) == 2  # the four rejected groups gave their slots back
+    assert policy_versions(client, keys.policy) == [(6, 0), (7, 1)]
+    assert int(client.get(keys.version)) == 7
+    assert client.hgetall(keys.limits) == {b"max_staleness": b"1", b"groups_per_step": b"2"}
+    [event] = _metrics(client, keys)
+    assert event.axis == "train" and event.step == 1 and event.source == "trainer"
+    assert set(event.values) == set(TRAIN)
+    rejected = {k.removeprefix("groups_rejected_"): v for k, v in event.values.items() if k.startswith("groups_rejected_")}
+    assert rejected == {"stale": 1, "zero_variance": 1, "overlong": 1, "too_few_samples": 1, "user_filter": 0}
+    assert event.values["groups_accepted"] == 2
+    assert event.values["staleness_max"] == 1 and event.values["staleness_mean"] == 0.5
+    assert event.values["version"] == 7
+    assert _trained(cfg) == [g.group_id for g in good]
+    assert client.xpending(keys.traj, TRAINER_GROUP)["pending"] == 0
+    assert client.xlen(keys.traj) == 0
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_crash_between_checkpoint_and_ack_trains_nothing_twice(redis_url, keys, client, tmp_path, monkeypatch, caplog):
+    rng = random.Random(2)
+    groups = [make_group(rng) for _ in range(6)]
+    publish(client, keys.traj, groups)
+    cfg = _cfg(redis_url, keys, tmp_path, steps=3, checkpoint_every=2, max_staleness=100)
+
+    def save_then_die(self):
+        checkpoint.save(
+            cfg.checkpoint_dir, model=self.learner.model, optimizer=self.learner.optimizer, step=self.step,
+            version=self.version, parent=self.parent, high_water=self.high_water,
+            group_ids=[g for _, g in self.trained], entry_ids=[e for e, _ in self.trained],
+        )  # fmt: skip
+        raise _Crash  # before any XACK
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer.Trainer, "checkpoint", save_then_die)
+        with pytest.raises(_Crash):
+            _trainer(cfg, client, keys).run()
+    assert client.xpending(keys.traj, TRAINER_GROUP)["pending"] >= 4  # trained, checkpointed, not acked
+
+    with caplog.at_level(logging.INFO, logger="consumers.trainer"):
+        assert _trainer(cfg, client, keys).run() == 0
+    assert "acknowledged 4 pending entries the checkpoint already covers" in caplog.text
+    assert _trained(cfg) == [g.group_id for g in groups]  # in order, each exactly once
+    assert [v for v, _ in policy_versions(client, keys.policy)] == [0, 1, 2, 3, 4]
+    assert client.xpending(keys.traj, TRAINER_GROUP)["pending"] == 0
+
+
+@pytest.mark.slow
+def test_train_process_lock_step_with_a_publisher(private_valkey, tmp_path):
+    """`streamer train` as a process, fed on-policy groups sampled from each published version."""
+    client = connect(private_valkey.url)
+    keys = Keys("e2e")
+    steps, per_step = 3, 2
+    config = write_config(tmp_path / "run.toml", {
+        "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
+        "trainer": {"groups_per_step": per_step, "steps": steps, "max_staleness": 0, "lr": 1e-3,
+                    "checkpoint_every": 2, "keep_versions": 2},
+    })  # fmt: skip
+    weights_dir = tmp_path / "data" / keys.run / "weights"
+    log = tmp_path / "trainer.log"
+    proc = start_trainer(config, private_valkey.url, log)
+    rng, model = random.Random(3), demo.build_model(0)
+    published = []
+    try:
+        for step in range(steps):
+            wait_until(lambda: client.xlen(keys.policy) == step + 1, timeout=60, what=f"version {step}", proc=proc, log=log)
+            sync = Tail(client, keys.policy, as_type=WeightSync).latest()
+            weights.load_into(model, weights.resolve(sync, weights_dir))  # sample with the newest policy
+            batch = [make_group(rng, version=sync.version, model=model, rewards=(1, 0, 0, 1)) for _ in range(per_step)]
+            if step == 0:
+                batch.insert(1, make_group(rng, version=sync.version, rewards=(0, 0, 0, 0)))
+            publish(client, keys.traj, batch)
+            published += batch
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    syncs = policy_versions(client, keys.policy)
+    assert syncs == [(0, 0), (1, 1), (2, 2), (3, 3)]  # the initial weights, then one per step
+    stamps = [g.policy_version for g in published if g.rewards().std() > 0]
+    assert stamps == [0, 0, 1, 1, 2, 2]  # later groups carry later versions
+    events = _metrics(client, keys)
+    assert [e.step for e in events] == [1, 2, 3]
+    for e in events:
+        assert set(e.values) == set(TRAIN)
+        assert e.values["staleness_max"] == 0 and e.values["clip_fraction"] == 0
+        assert e.values["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # the sampler ran our weights
+    assert sum(e.values["groups_rejected_zero_variance"] for e in events) == 1
+    trained = collections.Counter(g for m in checkpoint.audit_chain(tmp_path / "data" / keys.run / "checkpoints") for g in m.group_ids)
+    assert set(trained) == {g.group_id for g in published if g.rewards().std() > 0} and max(trained.values()) == 1
+    assert client.xpending(keys.traj, TRAINER_GROUP)["pending"] == 0
+    assert len(list(weights_dir.iterdir())) <= 3  # keep_versions + the checkpointed one
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_what_was_trained_and_exits_0(private_valkey, tmp_path):
+    client = connect(private_valkey.url)
+    keys = Keys("term")
+    rng = random.Random(4)
+    groups = [make_group(rng) for _ in range(4)]
+    publish(client, keys.traj, groups)
+    config = write_config(tmp_path / "run.toml", {
+        "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
+        "trainer": {"groups_per_step": 2, "steps": 0, "checkpoint_every": 100, "max_staleness": 10},
+    })  # fmt: skip
+    log = tmp_path / "trainer.log"
+    proc = start_trainer(config, private_valkey.url, log)
+    try:
+        wait_until(lambda: client.xlen(keys.policy) == 3, timeout=60, what="two steps", proc=proc, log=log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    chain = checkpoint.audit_chain(tmp_path / "data" / keys.run / "checkpoints")
+    assert [g for m in chain for g in m.group_ids] == [g.group_id for g in groups]
+    assert chain[-1].step == 2 and chain[-1].version == 2
+    assert client.xpending(keys.traj, TRAINER_GROUP)["pending"] == 0
+    assert "SIGTERM" in log.read_text()
+
+
+def test_trainer_section_validates():
+    with pytest.raises(ValueError, match="min_group_size"):
+        TrainerSection(min_group_size=0)
+    assert TrainerSection().micro_batch_size == 0

@@ -1,0 +1,138 @@
+"""Trajectory groups for trainer tests: demo-task prompts, seeded, without a producer.
+
+Completions are a digit then ``<|end|>`` (finish "stop") or digits without it ("length");
+log-probs are the demo model's own when a model is given, else seeded random values.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from schemas import Sample, TrajectoryGroup, encode
+from streamer import demo
+from streamer.bus import FIELD
+
+DIGITS = [demo.tokenizer().convert_tokens_to_ids(c) for c in "0123456789"]
+EOS = demo.tokenizer().eos_token_id
+
+
+def prompt_ids(a: int, b: int) -> list[int]:
+    msgs = [{"role": "user", "content": f"{a}+{b}="}]
+    return list(demo.tokenizer().apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+@torch.no_grad()
+def model_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + completion])
+    logp = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+    targets = ids[0, 1:]
+    picked = logp.gather(-1, targets[:, None])[:, 0]
+    return picked[len(prompt) - 1 :].tolist()
+
+
+def make_sample(rng: random.Random, *, version: int, reward: float, finish: str = "stop", model=None, prompt=None) -> Sample:
+    prompt = prompt or prompt_ids(rng.randrange(10), rng.randrange(10))
+    if finish == "length":
+        completion = [rng.choice(DIGITS) for _ in range(3)]
+    else:
+        completion = [rng.choice(DIGITS) for _ in range(rng.randint(1, 2))] + [EOS]
+    if model is not None:
+        logprobs = model_logprobs(model, prompt, completion)
+    else:
+        logprobs = [-rng.uniform(0.1, 3.0) for _ in completion]
+    return Sample.build(
+        prompt_ids=prompt, completion_ids=completion, logprobs=logprobs,
+        reward=reward, finish_reason=finish, version=version,
+    )  # fmt: skip
+
+
+def make_group(
+    rng: random.Random,
+    *,
+    version: int = 0,
+    rewards=(1.0, 0.0, 0.0, 1.0),
+    finishes=None,
+    model=None,
+    group_id: str | None = None,
+    row: int = 0,
+) -> TrajectoryGroup:
+    a, b = rng.randrange(10), rng.randrange(10)
+    prompt = prompt_ids(a, b)
+    finishes = finishes or ["stop"] * len(rewards)
+    samples = [
+        make_sample(rng, version=version, reward=r, finish=f, model=model, prompt=prompt)
+        for r, f in zip(rewards, finishes)
+    ]
+    return TrajectoryGroup(
+        group_id=group_id or uuid.UUID(int=rng.getrandbits(128)).hex,
+        row=row, epoch=0, producer_id="test", samples=samples,
+        policy_version=min(s.version for s in samples), created_at=0.0,
+    )  # fmt: skip
+
+
+def publish(client, stream: str, groups) -> list[str]:
+    pipe = client.pipeline(transaction=False)
+    for g in groups:
+        pipe.xadd(stream, {FIELD: encode(g)})
+    return [i.decode() if isinstance(i, bytes) else i for i in pipe.execute()]
+
+
+# ---------------------------------------------------------------- trainer processes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_config(path: Path, sections: dict[str, dict]) -> Path:
+    """A TOML run config from {section: {key: value}}."""
+
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return repr(v)
+
+    lines = []
+    for name, fields in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {value(v)}" for k, v in fields.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_trainer(config: Path, url: str, log: Path) -> subprocess.Popen:
+    """`python -m streamer train` as a child process, logging to ``log``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "streamer", "train", "--config", str(config), "--redis-url", url],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def policy_versions(client, stream: str) -> list[tuple[int, int]]:
+    """(version, step) of every WeightSync on the policy stream, oldest first."""
+    from schemas import WeightSync, decode
+
+    return [(e.version, e.step) for e in (decode(f[FIELD], WeightSync) for _, f in client.xrange(stream))]
+
+
+def wait_until(predicate, *, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    """Poll ``predicate`` (cheap Redis reads) until true; fail with the trainer's log tail."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            return False
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-3000:] if log and log.exists() else ""
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{tail}")
+        time.sleep(0.02)
+    return True
