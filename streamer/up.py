@@ -179,7 +179,9 @@ def main(cfg: RunConfig, args) -> int:
     try:
         code = _supervise(stack, progress, stop_requested)
         if code == 0 and not stop_requested.is_set():
-            progress.wait_for_eval(progress.version(), FINAL_EVAL_WAIT, stop_requested)
+            final = progress.version()  # the evaluator scores every eval_every-th version
+            final -= final % cfg.eval.eval_every
+            progress.wait_for_eval(final, FINAL_EVAL_WAIT, stop_requested)
     finally:
         print("\nstreamer up: stopping (producers, evaluator, trainer, exporter, server) ...", flush=True)
         stack.stop_children()
