@@ -33,8 +33,9 @@ class Learner:
         self.model, self.cfg, self.ref_model, self.step = model, cfg, ref_model, step
         self.device = next(model.parameters()).device
         _disable_dropout(model)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if cfg.gradient_checkpointing:  # transformers 5 renamed it; 4.x has only the old name
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
             model.config.use_cache = False
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)

@@ -7,7 +7,8 @@ already covers, and start the feed thread. Then, per step:
 
     batch  = next groups_per_step accepted groups (collated while the last step ran)
     learner.train_step(batch)                       # consumers/learner.py
-    version += 1; write weights; XADD WeightSync + SET version (one MULTI); prune weights
+    version += 1; snapshot the weights for the version writer, which writes them and
+        XADDs the WeightSync + SETs the version key in one MULTI (consumers/versions.py)
     every checkpoint_every steps: checkpoint, then XACK what it covers, trim the stream
     publish the step's train metrics
 
@@ -32,9 +33,10 @@ from consumers.batch import collate
 from consumers.feed import Feeder, Ready, parse_id
 from consumers.filters import GroupFilter, is_stale
 from consumers.learner import Learner
+from consumers.versions import VersionPublisher
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, encode
 from schemas.metric_names import REJECT_REASONS
-from streamer import models, weights
+from streamer import models
 from streamer.admission import Admission
 from streamer.bus import FIELD, Consumer, Tail, connect, retrying, trim_acked
 from streamer.config import RunConfig
@@ -60,6 +62,10 @@ class Trainer:
         self.high_water = "0-0"  # newest entry id trained into the model
         self.trained: list[tuple[str, str]] = []  # (entry id, group id) since the last checkpoint
         self.feeder: Feeder | None = None
+        self.versions = VersionPublisher(
+            client, keys, root=cfg.weights_dir, keep_versions=self.tc.keep_versions,
+            protect=lambda: self.checkpointed_version,
+        )  # fmt: skip
 
     @property
     def step(self) -> int:
@@ -70,7 +76,7 @@ class Trainer:
     def start(self) -> None:
         self._restore()
         self.version = self._next_version()
-        self._publish_weights(self.version)
+        self.versions.publish_now(self.learner.model, version=self.version, step=self.step)
         log.info("policy version %d at step %d (%s)", self.version, self.step, self.parent or "initial weights")
         self.admission.publish_limits(max_staleness=self.tc.max_staleness, groups_per_step=self.tc.groups_per_step)
         consumer = Consumer(
@@ -127,19 +133,28 @@ class Trainer:
     # ------------------------------------------------------------ the loop
 
     def run(self) -> int:
-        self.start()
         try:
-            while not self.stop.is_set() and not self._done():
-                ready, waited = self._next_batch()
-                if ready is None:
-                    break
-                self._train(ready, waited)
-        finally:
-            self.feeder.stop()
-        if self.trained:
-            self.checkpoint()
+            self.start()
+            try:
+                self._loop()
+            finally:
+                if self.feeder is not None:
+                    self.feeder.stop()
+            if self.trained:
+                self.checkpoint()
+            self.versions.close()
+        except BaseException:
+            self.versions.abandon()
+            raise
         log.info("stopped at step %d, version %d", self.step, self.version)
         return 0
+
+    def _loop(self) -> None:
+        while not self.stop.is_set() and not self._done():
+            ready, waited = self._next_batch()
+            if ready is None:
+                return
+            self._train(ready, waited)
 
     def _done(self) -> bool:
         return self.tc.steps > 0 and self.step >= self.tc.steps
@@ -166,11 +181,8 @@ class Trainer:
         step_seconds = time.monotonic() - t0
         self.trained.extend((e, g.group_id) for e, g in zip(ready.entry_ids, ready.groups))
         self.high_water = max([self.high_water, *ready.entry_ids], key=parse_id)
-        t1 = time.monotonic()
         self.version += 1
-        self._publish_weights(self.version)
-        weights.prune(self.cfg.weights_dir, self.tc.keep_versions, protect=(self.checkpointed_version,))
-        sync_seconds = time.monotonic() - t1
+        blocked = self.versions.submit(self.learner.model, version=self.version, step=self.step)
         if self.step % self.tc.checkpoint_every == 0:
             self.checkpoint()
         rewards = [r for g in ready.groups for r in g.rewards().tolist()]
@@ -183,31 +195,19 @@ class Trainer:
             "staleness_max": float(max(lags)),
             "reward_mean": sum(rewards) / len(rewards),
             "version": float(self.version),
-            "weight_sync_seconds": sync_seconds,
+            "weight_sync_seconds": self.versions.last_seconds,
             "groups_accepted": float(len(ready.groups)),
         }
         rejected = self.feeder.take_rejections()
         values.update({f"groups_rejected_{r}": float(rejected.get(r, 0)) for r in REJECT_REASONS})
         self._publish_metrics(values)
         log.info(
-            "step %d v%d loss %.4f reward %.3f staleness %.1f step %.2fs wait %.2fs sync %.2fs",
+            "step %d v%d loss %.4f reward %.3f staleness %.1f step %.2fs wait %.2fs sync %.2fs (blocked %.2fs)",
             self.step, self.version, stats["loss"], values["reward_mean"], values["staleness_mean"],
-            step_seconds, waited, sync_seconds,
+            step_seconds, waited, self.versions.last_seconds, blocked,
         )  # fmt: skip
 
     # ------------------------------------------------------------ outputs
-
-    def _publish_weights(self, version: int) -> None:
-        uri, sha = weights.write_version(self.learner.model, self.cfg.weights_dir, version)
-        sync = WeightSync(version=version, step=self.step, uri=uri, sha256=sha)
-
-        def publish():
-            pipe = self.client.pipeline(transaction=True)
-            pipe.xadd(self.keys.policy, {FIELD: encode(sync)})
-            pipe.set(self.keys.version, version)
-            pipe.execute()
-
-        retrying(publish, what="publishing weights")
 
     def _publish_metrics(self, values: dict[str, float]) -> None:
         event = MetricsEvent(axis="train", step=self.step, values=values, source="trainer")
@@ -215,6 +215,7 @@ class Trainer:
 
     def checkpoint(self) -> None:
         """Persist what was trained, then acknowledge the entries it covers."""
+        self.versions.drain()  # its version is published before a checkpoint names it
         entry_ids = [e for e, _ in self.trained]
         meta = checkpoint.save(
             self.cfg.checkpoint_dir, model=self.learner.model, optimizer=self.learner.optimizer,

@@ -202,3 +202,35 @@ def test_steps_on_a_fixed_batch_lower_the_loss(agg):
 def test_warmup_lr():
     learner = Learner(demo.build_model(0), TrainerSection(lr=1e-3, warmup_steps=4))
     assert [learner.lr_at(s) for s in range(5)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+
+
+def _grads_after_step(cfg: TrainerSection, batch, seed: int = 0) -> tuple[dict, dict]:
+    learner = Learner(demo.build_model(seed), cfg)
+    metrics = learner.train_step(batch)
+    return {n: p.grad.clone() for n, p in learner.model.named_parameters()}, metrics
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean"])
+def test_micro_batches_and_checkpointing_do_not_change_the_gradient(agg):
+    batch = _fixed_batch(demo.build_model(0), seed=4, groups=3)  # 12 rows
+    base_cfg = TrainerSection(lr=1e-3, loss_agg=agg, ppo_minibatches=1)
+    base, m0 = _grads_after_step(base_cfg, batch)
+    for variant in ({"micro_batch_size": 5}, {"gradient_checkpointing": True}):
+        grads, m = _grads_after_step(TrainerSection(lr=1e-3, loss_agg=agg, ppo_minibatches=1, **variant), batch)
+        assert m["loss"] == pytest.approx(m0["loss"], abs=1e-6), variant
+        for name, g in base.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-7, msg=f"{variant} {name}")
+
+
+def test_kl_to_a_frozen_reference():
+    model, ref = demo.build_model(0), demo.build_model(0)
+    batch = _fixed_batch(model, seed=5)
+    learner = Learner(model, TrainerSection(lr=1e-2, kl_coef=0.1), ref_model=ref)
+    first = learner.train_step(batch)
+    later = [learner.train_step(batch) for _ in range(3)]
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
+    assert later[-1]["kl"] > 1e-5
+    assert later[-1]["loss"] == pytest.approx(later[-1]["policy_loss"] + 0.1 * later[-1]["kl"], abs=1e-6)
+    assert not any(p.requires_grad for p in ref.parameters())
+    with pytest.raises(ValueError):
+        Learner(demo.build_model(0), TrainerSection(kl_coef=0.1))

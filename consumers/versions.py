@@ -1,0 +1,120 @@
+"""Publishing policy versions: write the weights, then announce them, off the step's path.
+
+After a step the trainer hands over a snapshot of the weights (a CPU copy, taken at once,
+so training can go on) and a writer thread does the slow part in order: safetensors into
+``{weights_dir}/v{version}`` (streamer.weights.write_version: temp dir + rename), then one
+MULTI that XADDs the :class:`WeightSync` to the policy stream and SETs the version key —
+so nobody learns of a version before its files exist — then prunes old versions. At most
+one version waits while another is written; a slower writer holds the step loop back.
+:meth:`VersionPublisher.drain` waits for everything handed over (before a checkpoint,
+so a checkpoint never names a version that was never published, and at exit).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from schemas import WeightSync, encode
+from streamer import weights
+from streamer.bus import FIELD, retrying
+from streamer.keys import Keys
+
+log = logging.getLogger(__name__)
+
+
+class Snapshot:
+    """A CPU copy of a model's weights that saves like the model (tied tensors stay tied)."""
+
+    def __init__(self, model):
+        self.model = model
+        copies: dict[int, torch.Tensor] = {}
+        self.state = {}
+        for name, t in model.state_dict().items():
+            key = t.data_ptr()
+            if key not in copies:
+                copies[key] = t.detach().to("cpu", copy=True)
+            self.state[name] = copies[key]
+
+    def save_pretrained(self, path, **kwargs) -> None:
+        self.model.save_pretrained(path, state_dict=self.state, **kwargs)
+
+
+class VersionPublisher:
+    def __init__(self, client, keys: Keys, *, root: Path, keep_versions: int, protect: Callable[[], int]):
+        self.client, self.keys, self.root = client, keys, Path(root)
+        self.keep_versions, self.protect = keep_versions, protect
+        self.last_seconds = 0.0  # write + publish time of the newest published version
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="trainer-versions", daemon=True)
+        self._thread.start()
+
+    def publish_now(self, model, *, version: int, step: int) -> None:
+        """Write and announce ``version`` synchronously (the restored weights at start)."""
+        self.drain()
+        self._write_and_announce(model, version, step)
+
+    def submit(self, model, *, version: int, step: int) -> float:
+        """Snapshot ``model`` now, publish it as ``version`` soon; returns seconds blocked."""
+        self._raise_if_failed()
+        start = time.monotonic()
+        self._queue.put((Snapshot(model), version, step))
+        return time.monotonic() - start
+
+    def drain(self) -> None:
+        """Block until every submitted version is published (raise if one failed)."""
+        self._queue.join()
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Publish what was submitted, then stop the writer thread."""
+        try:
+            self.drain()
+        finally:
+            self._queue.put(None)
+            self._thread.join(30)
+
+    def abandon(self) -> None:
+        """Stop the writer after what it holds, without waiting (the trainer is failing)."""
+        try:
+            self._queue.put(None, timeout=1.0)
+        except queue.Full:
+            log.warning("version writer busy; leaving it behind")
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    self._write_and_announce(*item)
+            except BaseException as e:  # surfaced by the next submit/drain
+                log.exception("publishing version %d failed", item[1])
+                self._error = e
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write_and_announce(self, model, version: int, step: int) -> None:
+        start = time.monotonic()
+        uri, sha = weights.write_version(model, self.root, version)
+        sync = WeightSync(version=version, step=step, uri=uri, sha256=sha)
+
+        def announce():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xadd(self.keys.policy, {FIELD: encode(sync)})
+            pipe.set(self.keys.version, version)
+            pipe.execute()
+
+        retrying(announce, what=f"publishing version {version}")
+        weights.prune(self.root, self.keep_versions, protect=(self.protect(),))
+        self.last_seconds = time.monotonic() - start
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("publishing a policy version failed") from self._error
