@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {sum(p.numel() for p in build_model(0).parameters()) / 1e6:.1f}M params, "
           f"{gps} groups x {args.group_size} samples, {tokens:.0f} trained tokens/step, "
           f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, "
-          f"torch threads {torch.get_num_threads()}, checkpoint every {cfg.trainer.checkpoint_every}")  # fmt: skip
+          f"torch threads {torch.get_num_threads()}, "
+          f"checkpoint every {cfg.trainer.checkpoint_every}")  # fmt: skip
     print(f"bare torch loop   median {wall[0]:.3f} s/step wall  {cpu[0]:.3f} s/step CPU")
     print(f"trainer (stream)  median {wall[1]:.3f} s/step wall  {cpu[1]:.3f} s/step CPU")
     for name in ("step_seconds", "weight_sync_seconds", "data_wait_seconds"):

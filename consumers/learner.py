@@ -34,8 +34,8 @@ class Learner:
         self.device = next(model.parameters()).device
         _disable_dropout(model)
         if cfg.gradient_checkpointing:  # transformers 5 renamed it; 4.x has only the old name
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable()
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            (enable or model.gradient_checkpointing_enable)()
             model.config.use_cache = False
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
@@ -103,7 +103,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         denom = L.normalizer(mb.weights, cfg.loss_agg)
         n_tok = max(float((mb.weights > 0).sum()), 1.0)
-        out = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "is_weight_mean": 0.0, "is_weight_max": 0.0}
+        out = dict.fromkeys(("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "is_weight_max"), 0.0)
         for micro in mb.chunks(cfg.micro_batch_size):
             logp = L.token_logprobs(self.forward_logits(self.model, micro), micro.targets)
             loss, stats = L.ppo_loss(

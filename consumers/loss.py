@@ -27,7 +27,9 @@ Agg = Literal["token-mean", "seq-mean"]
 LOG_RATIO_CLAMP = 20.0
 
 
-def group_advantages(rewards: torch.Tensor, *, std_normalize: bool = True, std_floor: float = 1e-4) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, *, std_normalize: bool = True, std_floor: float = 1e-4
+) -> torch.Tensor:
     """(G,) rewards of one group -> (G,) advantages: reward - mean, over max(std, floor).
 
     The std is the population std (a group of one has advantage 0, not NaN).
@@ -62,7 +64,9 @@ def normalizer(weights: torch.Tensor, agg: Agg) -> torch.Tensor:
     raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
-def aggregate(values: torch.Tensor, weights: torch.Tensor, agg: Agg, denom: torch.Tensor | None = None) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor, weights: torch.Tensor, agg: Agg, denom: torch.Tensor | None = None
+) -> torch.Tensor:
     """Weighted mean of (B, T) ``values``: over all tokens, or per sequence then over sequences.
 
     ``denom`` (from :func:`normalizer` of the whole minibatch) lets micro-batches sum to
@@ -123,6 +127,6 @@ def ppo_loss(
             "kl": kl.detach(),
             "clip_fraction": (was_clipped & trained).sum() / n,
             "is_weight_mean": (is_w * trained).sum() / n,
-            "is_weight_max": raw_is.masked_fill(~trained, 0.0).max() if trained.any() else raw_is.new_zeros(()),
+            "is_weight_max": raw_is.masked_fill(~trained, 0.0).max(),
         }
     return total, stats

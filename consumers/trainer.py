@@ -40,6 +40,7 @@ from streamer import models
 from streamer.admission import Admission
 from streamer.bus import FIELD, Consumer, Tail, connect, retrying, trim_acked
 from streamer.config import RunConfig
+from streamer.errors import StreamerError
 from streamer.keys import TRAINER_GROUP, Keys
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,10 @@ CONSUMER_NAME = "trainer-0"  # one trainer per run: a stable name finds its pend
 class Trainer:
     """The step loop around a :class:`Learner`; owns the stream, weights and checkpoints."""
 
-    def __init__(self, cfg: RunConfig, client, keys: Keys, learner: Learner, *, stop: threading.Event, name: str = CONSUMER_NAME):
+    def __init__(
+        self, cfg: RunConfig, client, keys: Keys, learner: Learner, *,
+        stop: threading.Event, name: str = CONSUMER_NAME,
+    ):  # fmt: skip
         self.cfg, self.tc, self.client, self.keys = cfg, cfg.trainer, client, keys
         self.learner, self.stop, self.name = learner, stop, name
         self.admission = Admission(
@@ -77,8 +81,9 @@ class Trainer:
         self._restore()
         self.version = self._next_version()
         self.versions.publish_now(self.learner.model, version=self.version, step=self.step)
-        log.info("policy version %d at step %d (%s)", self.version, self.step, self.parent or "initial weights")
-        self.admission.publish_limits(max_staleness=self.tc.max_staleness, groups_per_step=self.tc.groups_per_step)
+        log.info("policy version %d at step %d (%s)", self.version, self.step, self.parent or "initial")
+        tc = self.tc
+        self.admission.publish_limits(max_staleness=tc.max_staleness, groups_per_step=tc.groups_per_step)
         consumer = Consumer(
             self.client, self.keys, self.keys.traj, TRAINER_GROUP, self.name,
             as_type=TrajectoryGroup, cfg=self.cfg.bus,
@@ -115,7 +120,7 @@ class Trainer:
         if (raw := self.client.get(self.keys.version)) is not None:
             known.append(int(raw))
         if newest is None and self.client.xlen(self.keys.policy):
-            raise RuntimeError(f"newest entry of {self.keys.policy} does not decode; cannot pick a version")
+            raise StreamerError(f"newest entry of {self.keys.policy} does not decode; cannot pick a version")
         return max(known) + 1 if known else 0
 
     def _ack_covered_pending(self) -> None:
@@ -123,8 +128,9 @@ class Trainer:
         if self.high_water == "0-0":
             return
         rows = self.client.xpending_range(
-            self.keys.traj, TRAINER_GROUP, min="-", max=self.high_water, count=1_000_000, consumername=self.name
-        )
+            self.keys.traj, TRAINER_GROUP, min="-", max=self.high_water, count=1_000_000,
+            consumername=self.name,
+        )  # fmt: skip
         ids = [r["message_id"] for r in rows]
         if ids:
             self.client.xack(self.keys.traj, TRAINER_GROUP, *ids)
@@ -167,7 +173,8 @@ class Trainer:
             if ready is None:
                 continue
             entries = list(zip(ready.entry_ids, ready.groups))
-            stale = {i for i, g in entries if is_stale(g, version=self.version, max_staleness=self.tc.max_staleness)}
+            window = self.tc.max_staleness
+            stale = {i for i, g in entries if is_stale(g, version=self.version, max_staleness=window)}
             if not stale:
                 return ready, time.monotonic() - start
             self.feeder.reject([(i, "stale") for i in stale])  # the version moved on while it waited
@@ -202,16 +209,18 @@ class Trainer:
         values.update({f"groups_rejected_{r}": float(rejected.get(r, 0)) for r in REJECT_REASONS})
         self._publish_metrics(values)
         log.info(
-            "step %d v%d loss %.4f reward %.3f staleness %.1f step %.2fs wait %.2fs sync %.2fs (blocked %.2fs)",
+            "step %d v%d loss %.4f reward %.3f staleness %.1f rejected %d "
+            "step %.2fs wait %.2fs sync %.2fs (blocked %.2fs)",
             self.step, self.version, stats["loss"], values["reward_mean"], values["staleness_mean"],
-            step_seconds, waited, self.versions.last_seconds, blocked,
+            sum(rejected.values()), step_seconds, waited, self.versions.last_seconds, blocked,
         )  # fmt: skip
 
     # ------------------------------------------------------------ outputs
 
     def _publish_metrics(self, values: dict[str, float]) -> None:
         event = MetricsEvent(axis="train", step=self.step, values=values, source="trainer")
-        retrying(lambda: self.client.xadd(self.keys.metrics, {FIELD: encode(event)}), what="publishing metrics")
+        data = {FIELD: encode(event)}
+        retrying(lambda: self.client.xadd(self.keys.metrics, data), what="publishing metrics")
 
     def checkpoint(self) -> None:
         """Persist what was trained, then acknowledge the entries it covers."""
@@ -224,7 +233,8 @@ class Trainer:
         )  # fmt: skip
         self.parent, self.checkpointed_version, self.trained = meta.name, meta.version, []
         if entry_ids:
-            retrying(lambda: self.client.xack(self.keys.traj, TRAINER_GROUP, *entry_ids), what="acknowledging")
+            ack = lambda: self.client.xack(self.keys.traj, TRAINER_GROUP, *entry_ids)  # noqa: E731
+            retrying(ack, what="acknowledging trained entries")
             self.feeder.acked(entry_ids)
             trim_acked(self.client, self.keys.traj)
         checkpoint.prune(self.cfg.checkpoint_dir, self.tc.keep_checkpoints)
@@ -258,7 +268,8 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
         previous[sig] = signal.signal(sig, on_signal)
     _quiet_transformers()
     try:
-        client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
+        url = cfg.require_redis_url()
+        client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
         keys = Keys(cfg.run.name)
         learner = build_learner(cfg)
         log.info("trainer for run %s on %s", cfg.run.name, learner.device)

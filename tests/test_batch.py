@@ -19,9 +19,16 @@ def _group(samples, gid="g") -> TrajectoryGroup:
     )  # fmt: skip
 
 
+def _sample(prompt, completion, logprobs, *, reward, version=0, mask=None) -> Sample:
+    return Sample.build(
+        prompt_ids=prompt, completion_ids=completion, logprobs=logprobs, reward=reward,
+        finish_reason="stop", version=version, mask=mask,
+    )  # fmt: skip
+
+
 def test_alignment_with_different_prompt_lengths():
-    a = Sample.build(prompt_ids=[11, 12, 13], completion_ids=[21, 22], logprobs=[-0.1, -0.2], reward=1.0, finish_reason="stop", version=0)
-    b = Sample.build(prompt_ids=[14], completion_ids=[23, 24, 25, 26], logprobs=[-1, -2, -3, -4], reward=0.0, finish_reason="stop", version=0, mask=[1, 0, 1, 1])
+    a = _sample([11, 12, 13], [21, 22], [-0.1, -0.2], reward=1.0)
+    b = _sample([14], [23, 24, 25, 26], [-1, -2, -3, -4], reward=0.0, mask=[1, 0, 1, 1])
     batch = collate([_group([a, b])], pad_id=0)
     assert batch.input_ids.tolist() == [[11, 12, 13, 21, 22], [14, 23, 24, 25, 26]]
     assert batch.attention_mask.tolist() == [[1] * 5, [1] * 5]
@@ -34,8 +41,8 @@ def test_alignment_with_different_prompt_lengths():
 
 
 def test_padding_and_group_advantages():
-    short = Sample.build(prompt_ids=[1, 2], completion_ids=[3], logprobs=[-0.5], reward=2.0, finish_reason="stop", version=1)
-    long = Sample.build(prompt_ids=[1, 2, 4, 5], completion_ids=[6, 7], logprobs=[-1, -1], reward=0.0, finish_reason="stop", version=2)
+    short = _sample([1, 2], [3], [-0.5], reward=2.0, version=1)
+    long = _sample([1, 2, 4, 5], [6, 7], [-1, -1], reward=0.0, version=2)
     g1 = _group([short, long], "g1")
     g2 = _group([long, short, short], "g2")
     batch = collate([g1, g2], pad_id=9, std_normalize=False)

@@ -147,7 +147,10 @@ def test_sigkill_at_random_points_trains_each_group_exactly_once(private_valkey,
         before = client.xlen(keys.policy)
         proc = start_trainer(config, private_valkey.url, log)
         target = before + 1 + rng.randint(2, 5)  # the restored weights, then 2-5 steps
-        wait_until(lambda: client.xlen(keys.policy) >= target, timeout=90, what=f"{target} weight syncs", proc=proc, log=log)
+        wait_until(
+            lambda: client.xlen(keys.policy) >= target,
+            timeout=90, what=f"{target} weight syncs", proc=proc, log=log,
+        )  # fmt: skip
         time.sleep(rng.uniform(0.0, 0.05))  # a random point of the step/sync/checkpoint cycle
         proc.kill()
         proc.wait(30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from consumers.filters import GroupFilter, load_predicate
@@ -72,7 +73,7 @@ def test_overlong_mask_and_keep(rng):
 def test_policy_version_follows_dropped_samples(rng):
     g = make_group(rng, version=3, rewards=(1, 0, 1))
     old = make_group(rng, version=1, rewards=(0,), finishes=["length"]).samples[0]
-    mixed = g.__class__(**{**{f: getattr(g, f) for f in g.__struct_fields__}, "samples": [*g.samples, old], "policy_version": 1})
+    mixed = msgspec.structs.replace(g, samples=[*g.samples, old], policy_version=1)
     v = GroupFilter(max_staleness=5, overlong="drop")(mixed, version=3)
     assert v.accepted and v.group.policy_version == 3
 
@@ -87,7 +88,9 @@ def test_user_filter_by_import_path(rng):
     assert broken(make_group(rng), version=0).reason == "user_filter"
 
 
-@pytest.mark.parametrize("path", ["nope_no_module:f", "test_filters:missing", "justaname", "test_filters:NOT_CALLABLE"])
+@pytest.mark.parametrize(
+    "path", ["nope_no_module:f", "test_filters:missing", "justaname", "test_filters:NOT_CALLABLE"]
+)
 def test_bad_user_filter_is_a_config_error(path):
     with pytest.raises(ConfigError, match="user_filter"):
         load_predicate(path)

@@ -114,7 +114,10 @@ def test_aggregation_modes():
     # micro-batches with the minibatch's denominator sum to the whole
     for agg in ("token-mean", "seq-mean"):
         denom = L.normalizer(weights, agg)
-        parts = [_loss(logp[i : i + 1], adv=[a], weights=weights[i : i + 1], agg=agg, denom=denom)[0] for i, a in enumerate([2.0, -1.0])]
+        parts = [
+            _loss(logp[i : i + 1], adv=[a], weights=weights[i : i + 1], agg=agg, denom=denom)[0]
+            for i, a in enumerate([2.0, -1.0])
+        ]
         whole = _loss(logp, adv=[2.0, -1.0], weights=weights, agg=agg)[0]
         assert sum(parts).item() == pytest.approx(whole.item())
 
@@ -164,7 +167,8 @@ def test_one_minibatch_step_is_plain_grpo():
     grpo = -(batch.advantages[:, None] * logp * batch.weights).sum() / batch.weights.sum()
     grpo.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-    assert metrics["loss"] == pytest.approx(-(batch.advantages[:, None] * batch.weights).sum().item() / batch.weights.sum().item(), abs=1e-6)
+    expected = -(batch.advantages[:, None] * batch.weights).sum() / batch.weights.sum()  # ratio 1, weight 1
+    assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-5)
     assert metrics["clip_fraction"] == 0.0 and metrics["is_weight_mean"] == pytest.approx(1.0)
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
@@ -195,7 +199,8 @@ def test_steps_on_a_fixed_batch_lower_the_loss(agg):
     assert learner.step == 4
     assert metrics[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # fresh data: prox == sampler
     for m in metrics:
-        assert {"loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens"} <= m.keys()
+        names = {"loss", "policy_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens"}
+        assert names <= m.keys()
         assert all(math.isfinite(v) for v in m.values())
 
 

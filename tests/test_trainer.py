@@ -24,7 +24,8 @@ from trainer_data import make_group, policy_versions, publish, start_trainer, wa
 
 def _cfg(url, keys, tmp_path, **trainer_fields) -> RunConfig:
     fields = {"groups_per_step": 2, "lr": 1e-3, "max_staleness": 1, **trainer_fields}
-    return replace(RunConfig(), run={"name": keys.run, "redis_url": url, "data_dir": str(tmp_path)}, trainer=fields)
+    run = {"name": keys.run, "redis_url": url, "data_dir": str(tmp_path)}
+    return replace(RunConfig(), run=run, trainer=fields)
 
 
 def _trainer(cfg: RunConfig, client, keys) -> trainer.Trainer:
@@ -60,7 +61,8 @@ def test_rejections_release_slots_and_are_counted(redis_url, keys, client, tmp_p
     [event] = _metrics(client, keys)
     assert event.axis == "train" and event.step == 1 and event.source == "trainer"
     assert set(event.values) == set(TRAIN)
-    rejected = {k.removeprefix("groups_rejected_"): v for k, v in event.values.items() if k.startswith("groups_rejected_")}
+    prefix = "groups_rejected_"
+    rejected = {k.removeprefix(prefix): v for k, v in event.values.items() if k.startswith(prefix)}
     assert rejected == {"stale": 1, "zero_variance": 1, "overlong": 1, "too_few_samples": 1, "user_filter": 0}
     assert event.values["groups_accepted"] == 2
     assert event.values["staleness_max"] == 1 and event.values["staleness_mean"] == 0.5
@@ -74,7 +76,9 @@ class _Crash(Exception):
     pass
 
 
-def test_crash_between_checkpoint_and_ack_trains_nothing_twice(redis_url, keys, client, tmp_path, monkeypatch, caplog):
+def test_crash_between_checkpoint_and_ack_trains_nothing_twice(
+    redis_url, keys, client, tmp_path, monkeypatch, caplog
+):
     rng = random.Random(2)
     groups = [make_group(rng) for _ in range(6)]
     publish(client, keys.traj, groups)
@@ -120,10 +124,13 @@ def test_train_process_lock_step_with_a_publisher(private_valkey, tmp_path):
     published = []
     try:
         for step in range(steps):
-            wait_until(lambda: client.xlen(keys.policy) == step + 1, timeout=60, what=f"version {step}", proc=proc, log=log)
+            wait_until(
+                lambda: client.xlen(keys.policy) == step + 1,
+                timeout=60, what=f"version {step}", proc=proc, log=log,
+            )  # fmt: skip
             sync = Tail(client, keys.policy, as_type=WeightSync).latest()
             weights.load_into(model, weights.resolve(sync, weights_dir))  # sample with the newest policy
-            batch = [make_group(rng, version=sync.version, model=model, rewards=(1, 0, 0, 1)) for _ in range(per_step)]
+            batch = [make_group(rng, version=sync.version, model=model) for _ in range(per_step)]
             if step == 0:
                 batch.insert(1, make_group(rng, version=sync.version, rewards=(0, 0, 0, 0)))
             publish(client, keys.traj, batch)
@@ -142,8 +149,10 @@ def test_train_process_lock_step_with_a_publisher(private_valkey, tmp_path):
         assert e.values["staleness_max"] == 0 and e.values["clip_fraction"] == 0
         assert e.values["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # the sampler ran our weights
     assert sum(e.values["groups_rejected_zero_variance"] for e in events) == 1
-    trained = collections.Counter(g for m in checkpoint.audit_chain(tmp_path / "data" / keys.run / "checkpoints") for g in m.group_ids)
-    assert set(trained) == {g.group_id for g in published if g.rewards().std() > 0} and max(trained.values()) == 1
+    chain = checkpoint.audit_chain(tmp_path / "data" / keys.run / "checkpoints")
+    trained = collections.Counter(g for m in chain for g in m.group_ids)
+    assert set(trained) == {g.group_id for g in published if g.rewards().std() > 0}
+    assert max(trained.values()) == 1
     assert client.xpending(keys.traj, TRAINER_GROUP)["pending"] == 0
     assert len(list(weights_dir.iterdir())) <= 3  # keep_versions + the checkpointed one
 

@@ -26,7 +26,10 @@ EOS = demo.tokenizer().eos_token_id
 
 def prompt_ids(a: int, b: int) -> list[int]:
     msgs = [{"role": "user", "content": f"{a}+{b}="}]
-    return list(demo.tokenizer().apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = demo.tokenizer().apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)
 
 
 @torch.no_grad()
@@ -38,7 +41,9 @@ def model_logprobs(model, prompt: list[int], completion: list[int]) -> list[floa
     return picked[len(prompt) - 1 :].tolist()
 
 
-def make_sample(rng: random.Random, *, version: int, reward: float, finish: str = "stop", model=None, prompt=None) -> Sample:
+def make_sample(
+    rng: random.Random, *, version: int, reward: float, finish: str = "stop", model=None, prompt=None
+) -> Sample:
     prompt = prompt or prompt_ids(rng.randrange(10), rng.randrange(10))
     if finish == "length":
         completion = [rng.choice(DIGITS) for _ in range(3)]
@@ -125,7 +130,9 @@ def policy_versions(client, stream: str) -> list[tuple[int, int]]:
     return [(e.version, e.step) for e in (decode(f[FIELD], WeightSync) for _, f in client.xrange(stream))]
 
 
-def wait_until(predicate, *, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+def wait_until(
+    predicate, *, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> bool:
     """Poll ``predicate`` (cheap Redis reads) until true; fail with the trainer's log tail."""
     deadline = time.monotonic() + timeout
     while not predicate():
