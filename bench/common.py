@@ -1,0 +1,191 @@
+"""Shared helpers for the benchmarks: a private server, realistic groups, timing, tables.
+
+Every benchmark compares two or more ways of doing the same work side by side, in one run,
+against one server, and reports the median of several repeats (these machines are noisy).
+Sides alternate their order from one repeat to the next so a drift in machine load does not
+favour whichever runs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from schemas import Sample, TrajectoryGroup  # noqa: E402
+from streamer.bus import connect  # noqa: E402
+from streamer.keys import Keys  # noqa: E402
+from streamer.server import EmbeddedServer  # noqa: E402
+
+VOCAB = 151_936  # Qwen-sized vocabulary: realistic token id magnitudes for every codec
+PROMPT_FRACTION = 0.25  # share of each sample's tokens that are prompt (no log-probs)
+
+
+# ---------------------------------------------------------------- server and keys
+
+
+def add_server_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--redis-url", help="use this server instead of a private embedded one")
+    ap.add_argument("--repeats", type=int, default=5, help="repeats per side; medians reported")
+    ap.add_argument("--no-aof", action="store_true",
+                    help="embedded server without its append-only file (default: AOF everysec, "
+                         "as `streamer up` runs it)")  # fmt: skip
+
+
+@contextlib.contextmanager
+def server_url(args: argparse.Namespace) -> Iterator[str]:
+    """The URL of ``--redis-url``, or of a private valkey-server started for this run."""
+    if args.redis_url:
+        yield args.redis_url
+        return
+    extra = ("--appendonly", "no") if getattr(args, "no_aof", False) else ()
+    with tempfile.TemporaryDirectory(prefix="streamer-bench-") as tmp:
+        with EmbeddedServer(Path(tmp) / "valkey", extra_args=extra) as server:
+            yield server.url
+
+
+def fresh_keys(prefix: str = "bench") -> Keys:
+    return Keys(f"{prefix}{uuid.uuid4().hex[:10]}")
+
+
+def drop_run(client, keys: Keys) -> None:
+    """Delete every key of ``keys``' run (and nothing else)."""
+    for key in client.scan_iter(match=keys.all_keys_pattern(), count=1000):
+        client.delete(key)
+
+
+def server_version(client) -> str:
+    info = client.info("server")
+    if "valkey_version" in info:
+        return f"valkey {info['valkey_version']}"
+    return f"redis {info.get('redis_version', '?')}"
+
+
+def bench_client(url: str):
+    """A checked client with a socket timeout well above any block a benchmark uses."""
+    return connect(url, socket_timeout=30.0, name="bench")
+
+
+# ---------------------------------------------------------------- realistic payloads
+
+
+def make_groups(n: int, *, tokens: int, group_size: int = 8, seed: int = 0) -> list[TrajectoryGroup]:
+    """``n`` groups of ``group_size`` samples of ``tokens`` tokens each, with log-probs.
+
+    A quarter of each sample is prompt; every completion token has a sampler log-prob.
+    Token ids span a 152k vocabulary so varint/pickle/json sizes are realistic.
+    """
+    rng = np.random.default_rng(seed)
+    prompt = max(1, int(tokens * PROMPT_FRACTION))
+    out = []
+    for g in range(n):
+        samples = [
+            Sample.build(
+                prompt_ids=rng.integers(0, VOCAB, prompt),
+                completion_ids=rng.integers(0, VOCAB, tokens - prompt),
+                logprobs=-rng.exponential(1.0, tokens - prompt).astype(np.float32),
+                reward=float(rng.integers(0, 2)), finish_reason="stop", version=3,
+            )  # fmt: skip
+            for _ in range(group_size)
+        ]
+        out.append(TrajectoryGroup(
+            group_id=f"g{g}", row=g, epoch=0, producer_id="bench", samples=samples,
+            policy_version=3, created_at=time.time(),
+        ))  # fmt: skip
+    return out
+
+
+def as_plain_dict(group: TrajectoryGroup) -> dict:
+    """The group as plain Python containers (token ids and log-probs as lists), the shape
+    a pickle- or JSON-based transport carries."""
+    return {
+        "group_id": group.group_id, "row": group.row, "epoch": group.epoch,
+        "producer_id": group.producer_id, "policy_version": group.policy_version,
+        "created_at": group.created_at, "published_at": group.published_at,
+        "samples": [
+            {"input_ids": s.token_ids().tolist(), "logprobs": s.sampler_logprobs().tolist(),
+             "prompt_len": s.prompt_len, "reward": s.reward,
+             "finish_reason": s.finish_reason, "version": s.version}
+            for s in group.samples
+        ],
+    }  # fmt: skip
+
+
+def tensor_ready(group: TrajectoryGroup) -> tuple[np.ndarray, np.ndarray]:
+    """What a trainer collates from a decoded group: all token ids, all sampler log-probs."""
+    ids = np.concatenate([s.token_ids() for s in group.samples])  # (G*T,) int32
+    lps = np.concatenate([s.sampler_logprobs() for s in group.samples])  # (G*(T-P),) float32
+    return ids, lps
+
+
+def plain_tensor_ready(group: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The same arrays from the plain-dict form (lists must be converted element by element)."""
+    ids = np.concatenate([np.asarray(s["input_ids"], np.int32) for s in group["samples"]])
+    lps = np.concatenate([np.asarray(s["logprobs"], np.float32) for s in group["samples"]])
+    return ids, lps
+
+
+# ---------------------------------------------------------------- timing and reporting
+
+
+def alternate(sides: Sequence[str], repeat: int) -> list[str]:
+    """Run order for one repeat: forwards on even repeats, backwards on odd ones."""
+    return list(sides) if repeat % 2 == 0 else list(reversed(sides))
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of ``fn`` took."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A small right-aligned text table; floats with 3 significant figures or more."""
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    sys.stdout.flush()
+
+
+def print_ratios(ratios: dict[str, float], *, goals: dict[str, str] | None = None) -> None:
+    """The final line every benchmark prints: ``ratios: name=1.23x (goal >= 0.90: met) ...``."""
+    parts = []
+    for name, value in ratios.items():
+        goal = (goals or {}).get(name)
+        parts.append(f"{name}={value:.2f}x" + (f" ({goal})" if goal else ""))
+    print("ratios: " + "  ".join(parts), flush=True)
+
+
+def verdict(value: float, *, at_least: float) -> str:
+    return f"goal >= {at_least:g}: {'met' if value >= at_least else 'NOT met'}"
+
+
+def mb(n_bytes: float) -> float:
+    return n_bytes / 1e6
+
+
+def _fmt(c: object) -> str:
+    if isinstance(c, float):
+        if c == 0 or abs(c) >= 100:
+            return f"{c:,.0f}"
+        return f"{c:.3g}" if abs(c) < 10 else f"{c:.1f}"
+    return str(c)

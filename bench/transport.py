@@ -1,0 +1,275 @@
+"""Transport: the streamer bus vs the raw server limit, and vs a PipelineRL-style transport.
+
+Realistic trajectory groups (G=8 samples x 512 and x 4096 tokens, a quarter prompt, a
+float32 sampler log-prob per completion token) go through one private server, every side
+in the same run, alternating order between repeats; medians of the repeats are reported.
+
+1. vs raw (goal: streamer >= 0.90 of raw bytes/s)
+   streamer  encode (schemas.encode) -> Publisher.publish_many (pipelined XADD) ->
+             Consumer.read (XREADGROUP COUNT>1, decode + validate) -> tensor-ready arrays
+             (np.concatenate of token ids and log-probs) -> Consumer.ack (XACK)
+   raw       redis-py pipelined XADD / XREADGROUP / XACK of the same pre-encoded bytes,
+             no codec, no arrays: the most this client and server move.
+2. vs PipelineRL-style (goal: streamer >= 5x its groups/s). Both start from the same plain
+   Python lists (what a sampler returns):
+   streamer  Sample.build + TrajectoryGroup + the whole path of 1.
+   pipelinerl  pickle.dumps of a dict of lists, one XADD each (MAXLEN ~), XREAD COUNT 1 from
+             the last id (no groups, no acks), pickle.loads, np.asarray to arrays.
+   A third row publishes one group per XADD (Publisher.publish) to show what pipelining adds.
+
+    python bench/transport.py                 # defaults (< 2 minutes on 2 cores)
+    python bench/transport.py --mb 400 --pipelinerl-mb 100 --repeats 9   # bigger
+    python bench/transport.py --quick         # smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle  # ONLY for the PipelineRL-style baseline we compare against; never elsewhere
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as C  # noqa: E402
+
+from schemas import Sample, TrajectoryGroup, encode  # noqa: E402
+from streamer.bus import FIELD, Consumer, Publisher  # noqa: E402
+from streamer.config import BusSection  # noqa: E402
+from streamer.keys import TRAINER_GROUP  # noqa: E402
+
+READ_TIMEOUT = 30.0  # a side that cannot read back what it wrote within this fails loudly
+
+
+# ---------------------------------------------------------------- the streamer path
+
+
+def streamer_side(client, groups: list[TrajectoryGroup], *, batch: int, read_count: int,
+                  pipelined: bool = True, from_lists: list[dict] | None = None) -> float:  # fmt: skip
+    """Seconds to move ``groups`` through the bus end to end (publish all, then consume).
+
+    With ``from_lists`` the groups are first built from those plain dicts (timed), as a
+    producer builds them from a sampler's lists.
+    """
+    keys, cfg = C.fresh_keys(), BusSection(read_count=read_count, max_unacked=10**9)
+    consumer = Consumer(client, keys, keys.traj, TRAINER_GROUP, "bench",
+                        as_type=TrajectoryGroup, cfg=cfg)  # fmt: skip
+    pub, n = Publisher(client, keys, cfg), len(from_lists or groups)
+    try:
+        t0 = time.perf_counter()
+        if from_lists is not None:
+            groups = [from_plain(d) for d in from_lists]
+        for i in range(0, n, batch):
+            if pipelined:
+                pub.publish_many(keys.traj, groups[i : i + batch])
+            else:
+                for g in groups[i : i + batch]:
+                    pub.publish(keys.traj, g)
+        got, deadline = 0, time.monotonic() + READ_TIMEOUT
+        while got < n:
+            deliveries = consumer.read(count=read_count, block=1.0)
+            for d in deliveries:
+                C.tensor_ready(d.event)
+            consumer.ack([d.id for d in deliveries])
+            got += len(deliveries)
+            _check_deadline(deadline, got, n)
+        return time.perf_counter() - t0
+    finally:
+        C.drop_run(client, keys)
+
+
+def from_plain(d: dict) -> TrajectoryGroup:
+    """A producer's work: pack a sampler's lists into the wire form."""
+    samples = [
+        Sample.build(
+            prompt_ids=s["input_ids"][: s["prompt_len"]], completion_ids=s["input_ids"][s["prompt_len"]:],
+            logprobs=s["logprobs"], reward=s["reward"], finish_reason=s["finish_reason"],
+            version=s["version"],
+        )  # fmt: skip
+        for s in d["samples"]
+    ]
+    return TrajectoryGroup(
+        group_id=d["group_id"], row=d["row"], epoch=d["epoch"], producer_id=d["producer_id"],
+        samples=samples, policy_version=d["policy_version"], created_at=d["created_at"],
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- the baselines
+
+
+def raw_side(client, payloads: list[bytes], *, batch: int, read_count: int) -> float:
+    """Seconds for pipelined XADD, XREADGROUP COUNT>1 and XACK of pre-encoded bytes."""
+    keys = C.fresh_keys()
+    stream, n = keys.traj, len(payloads)
+    client.xgroup_create(stream, TRAINER_GROUP, id="0", mkstream=True)
+    try:
+        t0 = time.perf_counter()
+        for i in range(0, n, batch):
+            pipe = client.pipeline(transaction=False)
+            for p in payloads[i : i + batch]:
+                pipe.xadd(stream, {FIELD: p})
+            pipe.execute()
+        got, deadline = 0, time.monotonic() + READ_TIMEOUT
+        while got < n:
+            resp = client.xreadgroup(TRAINER_GROUP, "raw", {stream: ">"}, count=read_count, block=1000)
+            entries = resp[0][1] if resp else []
+            if entries:
+                client.xack(stream, TRAINER_GROUP, *(e[0] for e in entries))
+            got += len(entries)
+            _check_deadline(deadline, got, n)
+        return time.perf_counter() - t0
+    finally:
+        C.drop_run(client, keys)
+
+
+def pipelinerl_side(client, plain: list[dict]) -> float:
+    """Seconds for the PipelineRL-style transport (the baseline; pickle lives only here).
+
+    Writer: one ``XADD key MAXLEN ~ 1000000 * index <n> data <pickle>`` per group, no
+    pipelining. Reader: ``XREAD BLOCK 100 COUNT 1`` from the last id, no groups or acks.
+    """
+    keys = C.fresh_keys()
+    stream, n = keys.traj, len(plain)
+    try:
+        t0 = time.perf_counter()
+        for i, d in enumerate(plain):
+            client.xadd(stream, {"index": i, "data": pickle.dumps(d)}, maxlen=1_000_000, approximate=True)
+        got, last, deadline = 0, "0", time.monotonic() + READ_TIMEOUT
+        while got < n:
+            resp = client.xread({stream: last}, count=1, block=100)
+            for entry_id, fields in resp[0][1] if resp else []:
+                last = entry_id
+                C.plain_tensor_ready(pickle.loads(fields[b"data"]))  # the baseline's decode
+                got += 1
+            _check_deadline(deadline, got, n)
+        return time.perf_counter() - t0
+    finally:
+        C.drop_run(client, keys)
+
+
+def _check_deadline(deadline: float, got: int, n: int) -> None:
+    if time.monotonic() > deadline:
+        raise SystemExit(f"read back only {got} of {n} entries within {READ_TIMEOUT:.0f}s")
+
+
+# ---------------------------------------------------------------- the two comparisons
+
+
+def run_sides(sides: dict, repeats: int) -> tuple[dict[str, float], dict[str, float], list[dict]]:
+    """Median wall and client-CPU seconds per side, and each repeat's wall times (for
+    paired ratios); sides alternate their order between repeats."""
+    wall: dict[str, list[float]] = {k: [] for k in sides}
+    cpu: dict[str, list[float]] = {k: [] for k in sides}
+    per_repeat = []
+    for r in range(repeats):
+        this = {}
+        for side in C.alternate(list(sides), r):
+            c0 = time.process_time()
+            this[side] = sides[side]()
+            cpu[side].append(time.process_time() - c0)
+            wall[side].append(this[side])
+        per_repeat.append(this)
+    return ({k: C.median(v) for k, v in wall.items()}, {k: C.median(v) for k, v in cpu.items()},
+            per_repeat)  # fmt: skip
+
+
+def paired(per_repeat: list[dict], slow: str, fast: str) -> float:
+    """Median over repeats of wall(slow) / wall(fast): robust to a machine that drifts."""
+    return C.median([r[slow] / r[fast] for r in per_repeat])
+
+
+def vs_raw(client, args, tokens: int) -> tuple[list, float]:
+    """Item 1 for one size: table rows and the streamer/raw bytes/s ratio."""
+    probe = len(encode(C.make_groups(1, tokens=tokens, group_size=args.group_size)[0]))
+    n = max(4, int(args.mb * 1e6 / probe))
+    groups = C.make_groups(n, tokens=tokens, group_size=args.group_size)
+    payloads = [encode(g) for g in groups]
+    total = sum(map(len, payloads))
+    kw = {"batch": args.batch, "read_count": args.read_count}
+    sides = {"streamer": lambda: streamer_side(client, groups, **kw),
+             "raw": lambda: raw_side(client, payloads, **kw)}  # fmt: skip
+    wall, cpu, per_repeat = run_sides(sides, args.repeats)
+    rows = [[tokens, side, n, total / n / 1000, C.mb(total / wall[side]), n / wall[side],
+             wall[side] / n * 1e6, cpu[side] / n * 1e6] for side in sides]  # fmt: skip
+    return rows, paired(per_repeat, "raw", "streamer")
+
+
+def vs_pipelinerl(client, args, tokens: int) -> tuple[list, dict[str, float]]:
+    """Item 2 for one size: table rows and groups/s ratios against the PipelineRL style."""
+    probe = len(encode(C.make_groups(1, tokens=tokens, group_size=args.group_size)[0]))
+    n = max(4, int(args.pipelinerl_mb * 1e6 / probe))
+    groups = C.make_groups(n, tokens=tokens, group_size=args.group_size, seed=1)
+    plain = [C.as_plain_dict(g) for g in groups]
+    kw = {"batch": args.batch, "read_count": args.read_count}
+    sides = {
+        "streamer": lambda: streamer_side(client, groups, **kw),
+        "streamer, from lists": lambda: streamer_side(client, [], from_lists=plain, **kw),
+        "streamer, 1 XADD/group": lambda: streamer_side(client, groups, pipelined=False, **kw),
+        "pipelinerl-style": lambda: pipelinerl_side(client, plain),
+    }
+    wall, cpu, per_repeat = run_sides(sides, args.repeats)
+    wire = {side: probe for side in sides} | {"pipelinerl-style": len(pickle.dumps(plain[0]))}
+    rows = [[tokens, side, n, wire[side] / 1000, n / wall[side], wall[side] / n * 1e6,
+             cpu[side] / n * 1e6] for side in sides]  # fmt: skip
+    return rows, {side: paired(per_repeat, "pipelinerl-style", side) for side in list(sides)[:3]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    C.add_server_args(ap)
+    ap.add_argument("--sizes", default="512,4096", help="tokens per sample, comma separated")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per group (G)")
+    ap.add_argument("--mb", type=float, default=60.0, help="payload MB per repeat, vs-raw part")
+    ap.add_argument("--pipelinerl-mb", type=float, default=12.0,
+                    help="payload MB per repeat, vs-PipelineRL part (its lists are memory-hungry)")
+    ap.add_argument("--batch", type=int, default=16, help="groups per pipelined publish")
+    ap.add_argument("--read-count", type=int, default=64, help="COUNT of each XREADGROUP")
+    ap.add_argument("--only", choices=["raw", "pipelinerl"], help="run only one comparison")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.mb, args.pipelinerl_mb, args.repeats = 1.0, 0.5, 1
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    began, ratios, goals = time.monotonic(), {}, {}
+    with C.server_url(args) as url:
+        client = C.bench_client(url)
+        print(f"{C.server_version(client)}, G={args.group_size}, {args.repeats} repeats (medians; "
+              f"ratios are medians of paired repeats), publish batch {args.batch}, "
+              f"read COUNT {args.read_count}")  # fmt: skip
+        if args.only in (None, "raw"):
+            rows = []
+            for tokens in args.sizes:
+                r, ratio = vs_raw(client, args, tokens)
+                rows += r
+                ratios[f"vs_raw_{tokens}"] = ratio
+                goals[f"vs_raw_{tokens}"] = C.verdict(ratio, at_least=0.90)
+            print("\n1. streamer vs raw pipelined XADD/XREADGROUP/XACK of the same bytes")
+            C.print_table(["tokens", "side", "groups", "KB/group", "MB/s", "groups/s",
+                           "us/group", "client CPU us/group"], rows)  # fmt: skip
+        if args.only in (None, "pipelinerl"):
+            rows = []
+            for tokens in args.sizes:
+                r, rs = vs_pipelinerl(client, args, tokens)
+                rows += r
+                ratios[f"vs_pipelinerl_{tokens}"] = rs["streamer"]
+                goals[f"vs_pipelinerl_{tokens}"] = C.verdict(rs["streamer"], at_least=5.0)
+                ratios[f"from_lists_vs_pipelinerl_{tokens}"] = rs["streamer, from lists"]
+                ratios[f"unpipelined_vs_pipelinerl_{tokens}"] = rs["streamer, 1 XADD/group"]
+            print("\n2. streamer vs PipelineRL-style (pickled dict of lists, 1 XADD/group, "
+                  "XREAD COUNT 1, lists -> arrays)")  # fmt: skip
+            C.print_table(["tokens", "side", "groups", "KB/group", "groups/s", "us/group",
+                           "client CPU us/group"], rows)  # fmt: skip
+        client.close()
+    print(f"took {time.monotonic() - began:.0f} s")
+    C.print_ratios(ratios, goals=goals)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

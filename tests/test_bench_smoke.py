@@ -1,0 +1,41 @@
+"""Each benchmark of bench/ runs at a tiny size, exits 0 and ends with its ratio line.
+
+The benchmarks start their own private valkey-server, so this needs no fixture server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RATIO = re.compile(r"^ratios: (\S+=\d+\.\d\dx.*)$")
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        ("transport.py", ["vs_raw_512", "vs_raw_4096", "vs_pipelinerl_512", "vs_pipelinerl_4096"]),
+        ("codec.py", ["msgspec_vs_json_512", "msgspec_vs_pickle_lists_4096"]),
+        ("memory.py", ["used_memory_per_payload_512", "max_xlen_vs_limit"]),
+    ],
+)
+def test_bench_quick_prints_ratios(script, expected):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), "--quick"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    last = proc.stdout.strip().splitlines()[-1]
+    match = RATIO.match(last)
+    assert match, f"{script}: last line is not a ratio line: {last!r}"
+    names = dict(part.split("=", 1) for part in re.findall(r"\S+=\S+", match.group(1)))
+    for name in expected:
+        assert name in names, f"{script}: no {name} in {last!r}"
+        assert float(names[name].rstrip("x")) > 0, f"{script}: {name} is not positive in {last!r}"
