@@ -10,6 +10,9 @@ Entry bookkeeping, which the exactly-once guarantee rests on:
 - an entry at or below the checkpoint's high-water id is already in the persisted model:
   it is acknowledged, never trained again;
 - a rejected entry is acknowledged in the same MULTI as the release of its admission slot;
+- accepted entries are trained in stream-id order (the buffer is kept sorted, and groups
+  handed back dissolve the batch built ahead), so every entry not yet trained is above the
+  high-water id of what was: acknowledging "at or below high-water" after a crash is exact;
 - an accepted entry is *owned* (buffered, ready, or trained and waiting for a checkpoint)
   until the trainer acknowledges it. Owned entries are re-claimed to this consumer now and
   then (XCLAIM JUSTID: resets their idle time without counting a delivery), so no other
@@ -73,6 +76,7 @@ class Feeder:
         self.touch_every = consumer.cfg.claim_idle_seconds / 4
         self._buffer: collections.deque[tuple[str, TrajectoryGroup]] = collections.deque()
         self._ready: Ready | None = None
+        self._generation = 0  # bumped when groups are handed back: a batch being built is void
         self._owned: set[str] = set()
         self._rejected: collections.Counter[str] = collections.Counter()
         self._cond = threading.Condition()
@@ -106,9 +110,13 @@ class Feeder:
             return ready
 
     def give_back(self, entries: list[tuple[str, TrajectoryGroup]]) -> None:
-        """Return accepted groups to the front of the queue (in order), to be batched again."""
+        """Return accepted groups to the queue, to be batched again before anything newer."""
         with self._cond:
-            self._buffer.extendleft(reversed(entries))
+            if self._ready is not None:  # built ahead from newer entries: rebuild in id order
+                entries = [*entries, *zip(self._ready.entry_ids, self._ready.groups)]
+                self._ready = None
+            self._merge(entries)
+            self._generation += 1
             self._cond.notify_all()
 
     def reject(self, rejected: list[tuple[str, str]]) -> None:
@@ -143,9 +151,9 @@ class Feeder:
         try:
             while not self._stop.is_set():
                 self._touch_owned()
-                groups = self._take_batch_groups()
-                if groups is not None:
-                    self._build(groups)
+                taken = self._take_batch_groups()
+                if taken is not None:
+                    self._build(*taken)
                 elif self._has_enough():
                     with self._cond:
                         self._cond.wait(0.2)
@@ -157,24 +165,33 @@ class Feeder:
                 self._error = e
                 self._cond.notify_all()
 
-    def _take_batch_groups(self) -> list[tuple[str, TrajectoryGroup]] | None:
+    def _take_batch_groups(self) -> tuple[int, list[tuple[str, TrajectoryGroup]]] | None:
         with self._cond:
             if self._ready is not None or len(self._buffer) < self.groups_per_step:
                 return None
-            return [self._buffer.popleft() for _ in range(self.groups_per_step)]
+            return self._generation, [self._buffer.popleft() for _ in range(self.groups_per_step)]
 
     def _has_enough(self) -> bool:
         with self._cond:
             return len(self._buffer) >= self.groups_per_step
 
-    def _build(self, entries: list[tuple[str, TrajectoryGroup]]) -> None:
+    def _build(self, generation: int, entries: list[tuple[str, TrajectoryGroup]]) -> None:
         groups = [g for _, g in entries]
         batch = self.collate(groups)
         if self.pin_memory:
             batch = batch.pin_memory()
         with self._cond:
+            if generation != self._generation:  # older groups came back meanwhile
+                self._merge(entries)
+                return
             self._ready = Ready(batch, groups, [entry_id for entry_id, _ in entries])
             self._cond.notify_all()
+
+    def _merge(self, entries: list[tuple[str, TrajectoryGroup]]) -> None:
+        """Add entries to the buffer, keeping it in stream-id order (call with the lock held)."""
+        if entries:
+            merged = sorted([*self._buffer, *entries], key=lambda e: parse_id(e[0]))
+            self._buffer = collections.deque(merged)
 
     def _pull(self) -> None:
         with self._cond:
@@ -186,15 +203,19 @@ class Feeder:
         for d in deliveries:
             if id_le(d.id, self.high_water):
                 covered.append(d.id)
-            elif d.id not in self._owned:
+            elif not self._is_owned(d.id):
                 self._judge(d, rejected, accepted)
         if covered:
             log.info("acknowledging %d entries already in the checkpoint", len(covered))
             retrying(lambda: self.consumer.ack(covered), what="acknowledging trained entries")
         self.reject(rejected)
         with self._cond:
-            self._buffer.extend(accepted)
+            self._merge(accepted)
             self._owned.update(entry_id for entry_id, _ in accepted)
+
+    def _is_owned(self, entry_id: str) -> bool:
+        with self._cond:
+            return entry_id in self._owned
 
     def _judge(self, d: Delivery[TrajectoryGroup], rejected: list, accepted: list) -> None:
         verdict = self.filter(d.event, version=self.version())

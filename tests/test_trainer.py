@@ -12,12 +12,16 @@ import threading
 import pytest
 
 from consumers import checkpoint, trainer
+from consumers.batch import collate
+from consumers.feed import Feeder
+from consumers.filters import GroupFilter
 from consumers.learner import Learner
-from schemas import MetricsEvent, WeightSync, decode
+from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
 from schemas.metric_names import TRAIN
 from streamer import demo, weights
-from streamer.bus import FIELD, Tail, connect
-from streamer.config import RunConfig, TrainerSection, replace
+from streamer.admission import Admission
+from streamer.bus import FIELD, Consumer, Tail, connect
+from streamer.config import BusSection, RunConfig, TrainerSection, replace
 from streamer.keys import TRAINER_GROUP, Keys
 from trainer_data import make_group, policy_versions, publish, start_trainer, wait_until, write_config
 
@@ -39,6 +43,47 @@ def _metrics(client, keys) -> list[MetricsEvent]:
 
 def _trained(cfg: RunConfig) -> list[str]:
     return [g for m in checkpoint.audit_chain(cfg.checkpoint_dir) for g in m.group_ids]
+
+
+def _feeder(client, keys, **kw) -> Feeder:
+    consumer = Consumer(
+        client, keys, keys.traj, TRAINER_GROUP, "t0", as_type=TrajectoryGroup, cfg=BusSection()
+    )
+    return Feeder(
+        consumer, admission=Admission(client, keys, max_staleness=0, groups_per_step=2),
+        group_filter=GroupFilter(max_staleness=100), groups_per_step=2, collate=collate,
+        version=lambda: 0, block_seconds=0.1, **kw,
+    ).start()  # fmt: skip
+
+
+def test_feed_trains_in_stream_order_when_groups_come_back(keys, client):
+    rng = random.Random(5)
+    ids = publish(client, keys.traj, [make_group(rng) for _ in range(6)])
+    feeder = _feeder(client, keys)
+    try:
+        first = feeder.next(timeout=10)
+        assert first.entry_ids == ids[:2]
+        wait_until(lambda: feeder._ready is not None, timeout=10, what="the batch built ahead")
+        feeder.reject([(ids[0], "stale")])  # what the step loop does with a group gone stale
+        feeder.give_back([(ids[1], first.groups[1])])
+        order = feeder.next(timeout=10).entry_ids + feeder.next(timeout=10).entry_ids
+        assert order == ids[1:5]  # the group handed back goes first, then the rest in order
+        assert feeder.next(timeout=0.3) is None  # one group left: not a batch
+        assert feeder.take_rejections() == {"stale": 1}
+    finally:
+        feeder.stop()
+
+
+def test_feed_acknowledges_what_the_checkpoint_covers(keys, client):
+    rng = random.Random(6)
+    ids = publish(client, keys.traj, [make_group(rng) for _ in range(4)])
+    feeder = _feeder(client, keys, high_water=ids[1])
+    try:
+        assert feeder.next(timeout=10).entry_ids == ids[2:]
+        pending = {r["message_id"].decode() for r in client.xpending_range(keys.traj, TRAINER_GROUP, "-", "+", 10)}
+        assert pending == set(ids[2:])  # the covered ones were acknowledged, not trained
+    finally:
+        feeder.stop()
 
 
 def test_rejections_release_slots_and_are_counted(redis_url, keys, client, tmp_path):
