@@ -1,7 +1,8 @@
-"""Consumers of the run's streams: the trainer (and the evaluator and metrics exporter).
+"""Consumers of the run's streams: the trainer, the evaluator and the metrics exporter.
 
 The trainer is split so its core never sees Redis: ``loss`` (the objective, pure tensor
 functions), ``batch`` (groups -> padded tensors), ``filters`` (which groups to train),
 ``learner`` (the optimizer step) and ``checkpoint`` (atomic, pickle-free state) know
-nothing of streams; ``feed`` (the background reader) and ``trainer`` (the process) do.
+nothing of streams; ``feed`` (the background reader), ``versions`` (the weight writer and
+WeightSync publisher) and ``trainer`` (the process) do.
 """
