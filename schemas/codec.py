@@ -41,6 +41,8 @@ def decode(data: bytes, as_type: type[T] = Event) -> T:
         raise DecodeError(f"payload is {type(data).__name__}, not bytes")
     if len(data) > MAX_PAYLOAD_BYTES:
         raise DecodeError(f"payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    if not isinstance(data, bytes) and not memoryview(data).readonly:
+        data = bytes(data)  # decoded events view their payload: never a buffer that can change
     try:
         return _decoders[as_type].decode(data)
     except msgspec.ValidationError as e:

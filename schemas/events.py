@@ -2,7 +2,8 @@
 
 Frozen, tagged msgspec Structs encoded as MessagePack. Token ids and log-probs travel as
 packed little-endian int32 / float32 bytes (cheap to encode, zero-copy numpy views to
-read). Validation that training depends on runs in ``__post_init__``, so a payload that
+read: a decoded Sample's packed fields are read-only memoryviews into the payload, never
+copies). Validation that training depends on runs in ``__post_init__``, so a payload that
 decodes is a payload the trainer can use; anything else is a decode error.
 """
 
@@ -41,13 +42,14 @@ def _check_version(name: str, v: int) -> None:
 class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True):
     """One completion of a prompt: prompt + completion tokens and what the sampler saw."""
 
-    tokens: bytes  # int32 LE: prompt tokens followed by completion tokens
-    logprobs: bytes  # float32 LE: sampler log-prob of each completion token
+    # packed fields are memoryviews so decoding is zero-copy (a view of the received payload)
+    tokens: memoryview  # int32 LE: prompt tokens followed by completion tokens
+    logprobs: memoryview  # float32 LE: sampler log-prob of each completion token
     prompt_len: int  # first trained position (per sample: multi-turn prompts differ)
     reward: float
     finish_reason: FinishReason
     version: int  # policy version that sampled this completion (oldest turn if multi-turn)
-    mask: bytes | None = None  # uint8 per completion token, 1 = trained; None = all trained
+    mask: memoryview | None = None  # uint8 per completion token, 1 = trained; None = all trained
 
     def __post_init__(self) -> None:
         n_tok, rem = divmod(len(self.tokens), 4)
@@ -83,13 +85,13 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True):
             [np.asarray(prompt_ids, TOKEN_DTYPE), np.asarray(completion_ids, TOKEN_DTYPE)]
         )
         return cls(
-            tokens=tokens.tobytes(),
-            logprobs=np.asarray(logprobs, LOGPROB_DTYPE).tobytes(),
+            tokens=memoryview(tokens.tobytes()),
+            logprobs=memoryview(np.asarray(logprobs, LOGPROB_DTYPE).tobytes()),
             prompt_len=len(prompt_ids),
             reward=float(reward),
             finish_reason=finish_reason,
             version=version,
-            mask=None if mask is None else np.asarray(mask, np.uint8).tobytes(),
+            mask=None if mask is None else memoryview(np.asarray(mask, np.uint8).tobytes()),
         )
 
     def token_ids(self) -> np.ndarray:

@@ -59,6 +59,18 @@ def test_sample_views_are_little_endian_and_zero_copy():
     assert not s.token_ids().flags.writeable  # a view of the payload, not a copy
 
 
+def test_decoding_does_not_copy_the_packed_arrays_nor_alias_a_mutable_buffer():
+    payload = encode(group())
+    decoded = decode(payload, TrajectoryGroup)
+    wire = np.frombuffer(payload, np.uint8)
+    assert np.shares_memory(decoded.samples[0].token_ids(), wire)  # zero-copy view
+    assert np.shares_memory(decoded.samples[1].sampler_logprobs(), wire)
+    buf = bytearray(payload)
+    from_buf = decode(buf, TrajectoryGroup)
+    buf[:] = bytes(len(buf))  # the caller reuses its buffer: the event must not change
+    assert from_buf == decoded
+
+
 @pytest.mark.parametrize(
     "path, value, reason",
     [
