@@ -55,7 +55,7 @@ def packed_dict(group: TrajectoryGroup) -> dict:
     """The group as a dict whose token ids and log-probs stay packed bytes."""
     d = C.as_plain_dict(group)
     d["samples"] = [
-        {**s, "input_ids": g.tokens, "logprobs": g.logprobs}
+        {**s, "input_ids": bytes(g.tokens), "logprobs": bytes(g.logprobs)}
         for s, g in zip(d["samples"], group.samples, strict=True)
     ]
     return d
@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, key in ((JSON_NAME, "json"), ("pickle (lists)", "pickle_lists"),
                           ("pickle (packed)", "pickle_packed")):  # fmt: skip
             ratios[f"msgspec_vs_{key}_{tokens}"] = enc_dec[name] / enc_dec["msgspec"]
-    C.print_table(["tokens", "format", "groups", "KB/group", "encode MB/s", "decode MB/s", "enc+dec MB/s",
-                   "+arrays MB/s"], rows)  # fmt: skip
+    C.print_table(["tokens", "format", "groups", "KB/group", "encode MB/s", "decode MB/s",
+                   "enc+dec MB/s", "+arrays MB/s"], rows)  # fmt: skip
     print(f"took {time.monotonic() - began:.0f} s; ratios are encode+decode speed, msgspec / other")
     C.print_ratios(ratios)
     return 0

@@ -81,7 +81,9 @@ def bench_client(url: str):
 # ---------------------------------------------------------------- realistic payloads
 
 
-def make_groups(n: int, *, tokens: int, group_size: int = 8, seed: int = 0) -> list[TrajectoryGroup]:
+def make_groups(
+    n: int, *, tokens: int, group_size: int = 8, seed: int = 0
+) -> list[TrajectoryGroup]:
     """``n`` groups of ``group_size`` samples of ``tokens`` tokens each, with log-probs.
 
     A quarter of each sample is prompt; every completion token has a sampler log-prob.

@@ -123,7 +123,9 @@ class Flood:
             t.join(timeout=10)
 
 
-def watch(client, stream: str, flood: Flood, seconds: float, *, until=None) -> tuple[int, float | None]:
+def watch(
+    client, stream: str, flood: Flood, seconds: float, *, until=None
+) -> tuple[int, float | None]:
     """Sample XLEN for ``seconds`` (or until ``until()``); the max seen and when ``until`` held."""
     peak, start, hit = 0, time.monotonic(), None
     while (elapsed := time.monotonic() - start) < seconds:
@@ -143,7 +145,8 @@ def flood_run(url: str, client, args) -> tuple[list, dict]:
     limit, slack = args.limit, args.producers - 1
     cfg = BusSection(max_unacked=limit, backpressure_timeout=120.0, read_count=limit)
     group = C.make_groups(1, tokens=args.flood_tokens, group_size=args.group_size)[0]
-    trainer = Consumer(client, keys, keys.traj, TRAINER_GROUP, "stalled", as_type=TrajectoryGroup, cfg=cfg)
+    trainer = Consumer(client, keys, keys.traj, TRAINER_GROUP, "stalled",
+                       as_type=TrajectoryGroup, cfg=cfg)  # fmt: skip
     rows, peaks, resumes, base = [], [], [], used_memory(client)
     try:
         with Flood(url, keys, cfg, group, args.producers) as flood:
@@ -158,7 +161,8 @@ def flood_run(url: str, client, args) -> tuple[list, dict]:
                 before = flood.published
                 trainer.ack([d.id for d in got])
                 trim_acked(client, keys.traj)  # the trainer trims what every group acknowledged
-                _, resumed = watch(client, keys.traj, flood, 5.0, until=lambda b=before: flood.published > b)
+                _, resumed = watch(client, keys.traj, flood, 5.0,
+                                   until=lambda b=before: flood.published > b)  # fmt: skip
                 resumes.append(resumed)
                 peak, _ = watch(client, keys.traj, flood, args.stall / 2)
                 n1 = flood.published
@@ -216,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"max XLEN {flood['max_xlen']} <= {flood['bound']} (N + P - 1): "
           f"{'yes' if flood['bounded'] else 'NO'}; blocked while stalled: "
           f"{'yes' if flood['blocked'] else 'NO'}; resumed after every ack: "
-          f"{'yes' if flood['resumed'] else 'NO'}; took {time.monotonic() - began:.0f} s")  # fmt: skip
+          f"{'yes' if flood['resumed'] else 'NO'}; "
+          f"took {time.monotonic() - began:.0f} s")  # fmt: skip
     C.print_ratios(ratios)
     return 0 if flood["bounded"] and flood["resumed"] and flood["blocked"] else 1
 

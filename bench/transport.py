@@ -45,8 +45,15 @@ READ_TIMEOUT = 30.0  # a side that cannot read back what it wrote within this fa
 # ---------------------------------------------------------------- the streamer path
 
 
-def streamer_side(client, groups: list[TrajectoryGroup], *, batch: int, read_count: int,
-                  pipelined: bool = True, from_lists: list[dict] | None = None) -> float:  # fmt: skip
+def streamer_side(
+    client,
+    groups: list[TrajectoryGroup],
+    *,
+    batch: int,
+    read_count: int,
+    pipelined: bool = True,
+    from_lists: list[dict] | None = None,
+) -> float:
     """Seconds to move ``groups`` through the bus end to end (publish all, then consume).
 
     With ``from_lists`` the groups are first built from those plain dicts (timed), as a
@@ -83,7 +90,8 @@ def from_plain(d: dict) -> TrajectoryGroup:
     """A producer's work: pack a sampler's lists into the wire form."""
     samples = [
         Sample.build(
-            prompt_ids=s["input_ids"][: s["prompt_len"]], completion_ids=s["input_ids"][s["prompt_len"]:],
+            prompt_ids=s["input_ids"][: s["prompt_len"]],
+            completion_ids=s["input_ids"][s["prompt_len"] :],
             logprobs=s["logprobs"], reward=s["reward"], finish_reason=s["finish_reason"],
             version=s["version"],
         )  # fmt: skip
@@ -112,7 +120,9 @@ def raw_side(client, payloads: list[bytes], *, batch: int, read_count: int) -> f
             pipe.execute()
         got, deadline = 0, time.monotonic() + READ_TIMEOUT
         while got < n:
-            resp = client.xreadgroup(TRAINER_GROUP, "raw", {stream: ">"}, count=read_count, block=1000)
+            resp = client.xreadgroup(
+                TRAINER_GROUP, "raw", {stream: ">"}, count=read_count, block=1000
+            )
             entries = resp[0][1] if resp else []
             if entries:
                 client.xack(stream, TRAINER_GROUP, *(e[0] for e in entries))
@@ -134,7 +144,8 @@ def pipelinerl_side(client, plain: list[dict]) -> float:
     try:
         t0 = time.perf_counter()
         for i, d in enumerate(plain):
-            client.xadd(stream, {"index": i, "data": pickle.dumps(d)}, maxlen=1_000_000, approximate=True)
+            fields = {"index": i, "data": pickle.dumps(d)}
+            client.xadd(stream, fields, maxlen=1_000_000, approximate=True)
         got, last, deadline = 0, "0", time.monotonic() + READ_TIMEOUT
         while got < n:
             resp = client.xread({stream: last}, count=1, block=100)
