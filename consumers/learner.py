@@ -70,7 +70,8 @@ class Learner:
         for mb in batch.chunks(micro):
             logits = self.forward_logits(self.model, mb)
             prox.append(_pad(L.token_logprobs(logits, mb.targets), width))
-            ent_sum += float((L.token_entropy(logits) * mb.weights).sum())
+            trained = mb.weights > 0
+            ent_sum += float((L.token_entropy(logits[trained]) * mb.weights[trained]).sum())
             del logits
             if self.ref_model is not None:
                 ref_logits = self.forward_logits(self.ref_model, mb)
