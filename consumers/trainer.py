@@ -9,7 +9,8 @@ already covers, and start the feed thread. Then, per step:
     learner.train_step(batch)                       # consumers/learner.py
     version += 1; snapshot the weights for the version writer, which writes them and
         XADDs the WeightSync + SETs the version key in one MULTI (consumers/versions.py)
-    every checkpoint_every steps: checkpoint, then XACK what it covers, trim the stream
+    every checkpoint_every steps (sooner when the trained but unacknowledged entries near
+        half of bus.max_unacked): checkpoint, then XACK what it covers, trim the stream
     publish the step's train metrics
 
 SIGTERM/SIGINT: the current step finishes, a final checkpoint covers what was trained,
@@ -190,7 +191,10 @@ class Trainer:
         self.high_water = max([self.high_water, *ready.entry_ids], key=parse_id)
         self.version += 1
         blocked = self.versions.submit(self.learner.model, version=self.version, step=self.step)
-        if self.step % self.tc.checkpoint_every == 0:
+        # Trained entries stay unacknowledged until a checkpoint covers them, and producers
+        # wait while bus.max_unacked entries are: checkpoint early rather than deadlock.
+        early = len(self.trained) + self.tc.groups_per_step > self.cfg.bus.max_unacked // 2
+        if self.step % self.tc.checkpoint_every == 0 or early:
             self.checkpoint()
         rewards = [r for g in ready.groups for r in g.rewards().tolist()]
         values = {

@@ -26,7 +26,7 @@ SPECIALS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|
 CHARS = list("0123456789+=")
 
 
-STEPS = 60  # trainer steps of `streamer up` with no arguments
+STEPS = 600  # trainer steps of `streamer up` with no arguments
 
 
 def config():
@@ -35,10 +35,10 @@ def config():
 
     return replace(
         RunConfig(),
-        producer={"group_size": 8, "max_new_tokens": 3, "reward": "streamer.demo:reward"},
-        trainer={"steps": STEPS, "groups_per_step": 8, "lr": 3e-3, "max_staleness": 1,
-                 "checkpoint_every": 10},
-        eval={"eval_every": 5, "max_new_tokens": 3},
+        producer={"group_size": 16, "max_new_tokens": 2, "reward": "streamer.demo:reward"},
+        trainer={"steps": STEPS, "groups_per_step": 8, "lr": 1e-3, "max_staleness": 1,
+                 "ppo_minibatches": 2, "overlong": "keep", "checkpoint_every": 20},
+        eval={"eval_every": 10, "max_new_tokens": 2},
     )  # fmt: skip
 
 

@@ -151,6 +151,9 @@ def main(cfg: RunConfig, args) -> int:
     port = _metrics_port(cfg)
     steps = cfg.trainer.steps
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # N busy processes share this machine's cores: oversubscribed torch threads slow all.
+    compute = args.producers + 2  # producers, trainer, evaluator
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // compute)))
     logs = cfg.log_dir
     specs = [("metrics", _role_argv("metrics", cfg, args, "--port", str(port)))]
     specs.append(("train", _role_argv("train", cfg, args, *(["--steps", str(args.steps)] if args.steps else []))))
