@@ -39,7 +39,9 @@ def _check_version(name: str, v: int) -> None:
         raise ValueError(f"{name} must be >= 0, got {v}")
 
 
-class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True):
+# gc=False: Samples and groups hold no references that could form a cycle, so the cyclic GC
+# need not track them; a trainer holding thousands of decoded groups then pays no GC passes.
+class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
     """One completion of a prompt: prompt + completion tokens and what the sampler saw."""
 
     # packed fields are memoryviews so decoding is zero-copy (a view of the received payload)
@@ -121,7 +123,7 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True):
         return len(self.logprobs) // 4
 
 
-class TrajectoryGroup(msgspec.Struct, frozen=True, tag="group", kw_only=True):
+class TrajectoryGroup(msgspec.Struct, frozen=True, tag="group", kw_only=True, gc=False):
     """The G samples of one prompt (a GRPO group), published with one XADD."""
 
     group_id: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import msgspec
@@ -65,6 +66,7 @@ def test_decoding_does_not_copy_the_packed_arrays_nor_alias_a_mutable_buffer():
     wire = np.frombuffer(payload, np.uint8)
     assert np.shares_memory(decoded.samples[0].token_ids(), wire)  # zero-copy view
     assert np.shares_memory(decoded.samples[1].sampler_logprobs(), wire)
+    assert not gc.is_tracked(decoded) and not gc.is_tracked(decoded.samples[0])  # no GC passes
     buf = bytearray(payload)
     from_buf = decode(buf, TrajectoryGroup)
     buf[:] = bytes(len(buf))  # the caller reuses its buffer: the event must not change
