@@ -73,6 +73,41 @@ def server_version(client) -> str:
     return f"redis {info.get('redis_version', '?')}"
 
 
+def settle(client, timeout: float = 10.0) -> None:
+    """Wait until the server has freed deleted keys (valkey frees big keys in a background
+    thread), so that work does not land in the next measurement."""
+    deadline = time.monotonic() + timeout
+    while client.info("memory").get("lazyfree_pending_objects", 0):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the server is still freeing deleted keys after {timeout:.0f} s")
+        time.sleep(0.01)
+
+
+def server_cpu(client) -> float:
+    """CPU seconds the server process has used (all its threads)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+class Stopwatch:
+    """Wall, client CPU and server CPU seconds of the code between start() and stop()."""
+
+    def __init__(self, client):
+        self.client = client
+        self.wall = self.cpu = self.server = 0.0
+
+    def start(self) -> None:
+        settle(self.client)
+        self._s0 = server_cpu(self.client)
+        self._c0, self._w0 = time.process_time(), time.perf_counter()
+
+    def stop(self) -> Stopwatch:
+        self.wall = time.perf_counter() - self._w0
+        self.cpu = time.process_time() - self._c0
+        self.server = server_cpu(self.client) - self._s0
+        return self
+
+
 def bench_client(url: str):
     """A checked client with a socket timeout well above any block a benchmark uses."""
     return connect(url, socket_timeout=30.0, name="bench")

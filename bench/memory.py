@@ -37,12 +37,8 @@ from streamer.keys import TRAINER_GROUP  # noqa: E402
 def used_memory(client) -> int:
     """``used_memory`` once the server has finished freeing deleted keys in the background
     (valkey frees big keys lazily: a DEL just before would still be shrinking the figure)."""
-    deadline = time.monotonic() + 10.0
-    while (info := client.info("memory")).get("lazyfree_pending_objects", 0):
-        if time.monotonic() > deadline:
-            raise SystemExit("the server is still freeing deleted keys after 10 s")
-        time.sleep(0.01)
-    return int(info["used_memory"])
+    C.settle(client)
+    return int(client.info("memory")["used_memory"])
 
 
 # ---------------------------------------------------------------- 1. bytes per queued group

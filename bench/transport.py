@@ -53,8 +53,8 @@ def streamer_side(
     read_count: int,
     pipelined: bool = True,
     from_lists: list[dict] | None = None,
-) -> float:
-    """Seconds to move ``groups`` through the bus end to end (publish all, then consume).
+) -> C.Stopwatch:
+    """Time to move ``groups`` through the bus end to end (publish all, then consume).
 
     With ``from_lists`` the groups are first built from those plain dicts (timed), as a
     producer builds them from a sampler's lists.
@@ -64,7 +64,8 @@ def streamer_side(
                         as_type=TrajectoryGroup, cfg=cfg)  # fmt: skip
     pub, n = Publisher(client, keys, cfg), len(from_lists or groups)
     try:
-        t0 = time.perf_counter()
+        watch = C.Stopwatch(client)
+        watch.start()
         if from_lists is not None:
             groups = [from_plain(d) for d in from_lists]
         for i in range(0, n, batch):
@@ -81,7 +82,7 @@ def streamer_side(
             consumer.ack([d.id for d in deliveries])
             got += len(deliveries)
             _check_deadline(deadline, got, n)
-        return time.perf_counter() - t0
+        return watch.stop()
     finally:
         C.drop_run(client, keys)
 
@@ -106,13 +107,14 @@ def from_plain(d: dict) -> TrajectoryGroup:
 # ---------------------------------------------------------------- the baselines
 
 
-def raw_side(client, payloads: list[bytes], *, batch: int, read_count: int) -> float:
-    """Seconds for pipelined XADD, XREADGROUP COUNT>1 and XACK of pre-encoded bytes."""
+def raw_side(client, payloads: list[bytes], *, batch: int, read_count: int) -> C.Stopwatch:
+    """Time for pipelined XADD, XREADGROUP COUNT>1 and XACK of pre-encoded bytes."""
     keys = C.fresh_keys()
     stream, n = keys.traj, len(payloads)
     client.xgroup_create(stream, TRAINER_GROUP, id="0", mkstream=True)
     try:
-        t0 = time.perf_counter()
+        watch = C.Stopwatch(client)
+        watch.start()
         for i in range(0, n, batch):
             pipe = client.pipeline(transaction=False)
             for p in payloads[i : i + batch]:
@@ -128,13 +130,13 @@ def raw_side(client, payloads: list[bytes], *, batch: int, read_count: int) -> f
                 client.xack(stream, TRAINER_GROUP, *(e[0] for e in entries))
             got += len(entries)
             _check_deadline(deadline, got, n)
-        return time.perf_counter() - t0
+        return watch.stop()
     finally:
         C.drop_run(client, keys)
 
 
-def pipelinerl_side(client, plain: list[dict]) -> float:
-    """Seconds for the PipelineRL-style transport (the baseline; pickle lives only here).
+def pipelinerl_side(client, plain: list[dict]) -> C.Stopwatch:
+    """Time for the PipelineRL-style transport (the baseline; pickle lives only here).
 
     Writer: one ``XADD key MAXLEN ~ 1000000 * index <n> data <pickle>`` per group, no
     pipelining. Reader: ``XREAD BLOCK 100 COUNT 1`` from the last id, no groups or acks.
@@ -142,7 +144,8 @@ def pipelinerl_side(client, plain: list[dict]) -> float:
     keys = C.fresh_keys()
     stream, n = keys.traj, len(plain)
     try:
-        t0 = time.perf_counter()
+        watch = C.Stopwatch(client)
+        watch.start()
         for i, d in enumerate(plain):
             fields = {"index": i, "data": pickle.dumps(d)}
             client.xadd(stream, fields, maxlen=1_000_000, approximate=True)
@@ -154,7 +157,7 @@ def pipelinerl_side(client, plain: list[dict]) -> float:
                 C.plain_tensor_ready(pickle.loads(fields[b"data"]))  # the baseline's decode
                 got += 1
             _check_deadline(deadline, got, n)
-        return time.perf_counter() - t0
+        return watch.stop()
     finally:
         C.drop_run(client, keys)
 
@@ -167,22 +170,20 @@ def _check_deadline(deadline: float, got: int, n: int) -> None:
 # ---------------------------------------------------------------- the two comparisons
 
 
-def run_sides(sides: dict, repeats: int) -> tuple[dict[str, float], dict[str, float], list[dict]]:
-    """Median wall and client-CPU seconds per side, and each repeat's wall times (for
-    paired ratios); sides alternate their order between repeats."""
-    wall: dict[str, list[float]] = {k: [] for k in sides}
-    cpu: dict[str, list[float]] = {k: [] for k in sides}
+def run_sides(sides: dict, repeats: int) -> tuple[dict[str, list[float]], list[dict[str, float]]]:
+    """Medians per side of wall, client CPU and server CPU seconds, and each repeat's wall
+    times (for paired ratios); sides alternate their order between repeats."""
+    runs: dict[str, list[C.Stopwatch]] = {k: [] for k in sides}
     per_repeat = []
     for r in range(repeats):
         this = {}
         for side in C.alternate(list(sides), r):
-            c0 = time.process_time()
-            this[side] = sides[side]()
-            cpu[side].append(time.process_time() - c0)
-            wall[side].append(this[side])
+            runs[side].append(sides[side]())
+            this[side] = runs[side][-1].wall
         per_repeat.append(this)
-    return ({k: C.median(v) for k, v in wall.items()}, {k: C.median(v) for k, v in cpu.items()},
-            per_repeat)  # fmt: skip
+    med = {k: [C.median([getattr(w, f) for w in v]) for f in ("wall", "cpu", "server")]
+           for k, v in runs.items()}  # fmt: skip
+    return med, per_repeat
 
 
 def paired(per_repeat: list[dict], slow: str, fast: str) -> float:
@@ -200,9 +201,9 @@ def vs_raw(client, args, tokens: int) -> tuple[list, float]:
     kw = {"batch": args.batch, "read_count": args.read_count}
     sides = {"streamer": lambda: streamer_side(client, groups, **kw),
              "raw": lambda: raw_side(client, payloads, **kw)}  # fmt: skip
-    wall, cpu, per_repeat = run_sides(sides, args.repeats)
-    rows = [[tokens, side, n, total / n / 1000, C.mb(total / wall[side]), n / wall[side],
-             wall[side] / n * 1e6, cpu[side] / n * 1e6] for side in sides]  # fmt: skip
+    med, per_repeat = run_sides(sides, args.repeats)
+    rows = [[tokens, side, n, total / n / 1000, C.mb(total / med[side][0]), n / med[side][0]]
+            + [t / n * 1e6 for t in med[side]] for side in sides]  # fmt: skip
     return rows, paired(per_repeat, "raw", "streamer")
 
 
@@ -219,10 +220,10 @@ def vs_pipelinerl(client, args, tokens: int) -> tuple[list, dict[str, float]]:
         "streamer, 1 XADD/group": lambda: streamer_side(client, groups, pipelined=False, **kw),
         "pipelinerl-style": lambda: pipelinerl_side(client, plain),
     }
-    wall, cpu, per_repeat = run_sides(sides, args.repeats)
+    med, per_repeat = run_sides(sides, args.repeats)
     wire = {side: probe for side in sides} | {"pipelinerl-style": len(pickle.dumps(plain[0]))}
-    rows = [[tokens, side, n, wire[side] / 1000, n / wall[side], wall[side] / n * 1e6,
-             cpu[side] / n * 1e6] for side in sides]  # fmt: skip
+    rows = [[tokens, side, n, wire[side] / 1000, n / med[side][0]]
+            + [t / n * 1e6 for t in med[side]] for side in sides]  # fmt: skip
     return rows, {side: paired(per_repeat, "pipelinerl-style", side) for side in list(sides)[:3]}
 
 
@@ -261,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                 ratios[f"vs_raw_{tokens}"] = ratio
                 goals[f"vs_raw_{tokens}"] = C.verdict(ratio, at_least=0.90)
             print("\n1. streamer vs raw pipelined XADD/XREADGROUP/XACK of the same bytes")
-            C.print_table(["tokens", "side", "groups", "KB/group", "MB/s", "groups/s",
-                           "us/group", "client CPU us/group"], rows)  # fmt: skip
+            C.print_table(["tokens", "side", "groups", "KB/group", "MB/s", "groups/s", "us/group",
+                           "client CPU", "server CPU"], rows)  # fmt: skip
         if args.only in (None, "pipelinerl"):
             rows = []
             for tokens in args.sizes:
@@ -275,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
             print("\n2. streamer vs PipelineRL-style (pickled dict of lists, 1 XADD/group, "
                   "XREAD COUNT 1, lists -> arrays)")  # fmt: skip
             C.print_table(["tokens", "side", "groups", "KB/group", "groups/s", "us/group",
-                           "client CPU us/group"], rows)  # fmt: skip
+                           "client CPU", "server CPU"], rows)  # fmt: skip
         client.close()
-    print(f"took {time.monotonic() - began:.0f} s")
+    print(f"took {time.monotonic() - began:.0f} s; CPU columns are us/group of this process "
+          "and of the server")
     C.print_ratios(ratios, goals=goals)
     return 0
 
