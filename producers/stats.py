@@ -59,6 +59,7 @@ def group_values(
         "response_length_min": float(min(lengths)),
         "response_length_max": float(max(lengths)),
         "truncated_ratio": sum(s.finish_reason == "length" for s in group.samples) / n,
+        "policy_version": float(group.policy_version),
         "version_offset": float(max(0, current_version - group.policy_version)),
         "sample_seconds": timings.sample_seconds,
         "admission_wait_seconds": timings.admission_wait_seconds,

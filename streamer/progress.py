@@ -6,6 +6,7 @@ from the exporter), and reads the version counter and the trainer group's lag.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -17,10 +18,13 @@ from streamer.config import RunConfig
 from streamer.keys import Keys
 
 WINDOW = 32  # rollout groups in the moving mean of reward
+THRESHOLD = 0.8  # the demo's goal for the moving reward and eval accuracy
 
 
 class Progress:
-    def __init__(self, cfg: RunConfig, *, target_steps: int, live: bool = True):
+    def __init__(
+        self, cfg: RunConfig, *, target_steps: int, live: bool = True, started: float | None = None
+    ):
         self.keys = Keys(cfg.run.name)
         self.client = connect(cfg.run.redis_url, socket_timeout=cfg.bus.socket_timeout)
         self.tail = Tail(self.client, self.keys.metrics, as_type=MetricsEvent)
@@ -36,6 +40,8 @@ class Progress:
         self.groups = 0
         self._rate: deque[tuple[float, int]] = deque(maxlen=30)
         self._last_print = 0.0
+        self.started = time.monotonic() if started is None else started  # `up` began
+        self.reached: dict[str, float] = {}  # "reward"/"eval" -> seconds to reach THRESHOLD
 
     def version(self) -> int:
         return int(self.client.get(self.keys.version) or 0)
@@ -51,10 +57,14 @@ class Progress:
                         self.first_reward = sum(self.rewards) / WINDOW
                     v = int(e.values.get("policy_version", -1))
                     self.curve.setdefault(v, []).append(r)
+                    if len(self.rewards) == WINDOW and self.reward() >= THRESHOLD:
+                        self.reached.setdefault("reward", time.monotonic() - self.started)
                 self.groups += int(e.values.get("groups", 1))
             elif e.axis == "eval" and e.step >= self.eval_step:
                 self.eval_step, self.eval_acc = e.step, e.values.get("accuracy")
                 self.eval_curve[e.step] = self.eval_acc
+                if (self.eval_acc or 0.0) >= THRESHOLD:
+                    self.reached.setdefault("eval", time.monotonic() - self.started)
         self._rate.append((time.monotonic(), self.groups))
 
     def reward(self) -> float | None:
@@ -104,11 +114,31 @@ class Progress:
             f"  policy version     {self.version()}",
             f"  rollout reward     {_f(first)} -> {_f(reward)} (mean of the first/last {WINDOW} groups)",
             f"  eval accuracy      {_f(self.eval_acc)} (version {self.eval_step})",
+            f"  reached {THRESHOLD}        reward {_t(self.reached.get('reward'))}, "
+            f"eval {_t(self.reached.get('eval'))} after start",
             f"  groups published   {self.groups}",
             f"  wall time          {elapsed:.0f}s",
             f"  weights            {weights_dir}",
         ]
         return "\n".join(lines)
+
+
+    def record(self, path, elapsed: float) -> None:
+        """The run's curve as JSON (reward per sampling version, eval per version)."""
+        data = {
+            "wall_seconds": elapsed,
+            "steps": self.train_step,
+            "reached_seconds": self.reached,
+            "reward_by_version": {v: sum(r) / len(r) for v, r in sorted(self.curve.items())},
+            "groups_by_version": {v: len(r) for v, r in sorted(self.curve.items())},
+            "eval_accuracy_by_version": dict(sorted(self.eval_curve.items())),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
+
+
+def _t(x: float | None) -> str:
+    return "not reached" if x is None else f"{x:.0f}s"
 
 
 def _f(x: float | None) -> str:

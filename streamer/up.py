@@ -177,7 +177,9 @@ def main(cfg: RunConfig, args) -> int:
         stop_requested.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = Progress(cfg, target_steps=args.steps or steps, live=not args.no_progress)
+    progress = Progress(
+        cfg, target_steps=args.steps or steps, live=not args.no_progress, started=started
+    )
     code, summary = 0, ""
     try:
         code = _supervise(stack, progress, stop_requested)
@@ -189,7 +191,9 @@ def main(cfg: RunConfig, args) -> int:
         print("\nstreamer up: stopping (producers, evaluator, trainer, exporter, server) ...", flush=True)
         stack.stop_children()
         try:
-            summary = progress.summary(time.monotonic() - started, cfg.weights_dir)
+            elapsed = time.monotonic() - started
+            summary = progress.summary(elapsed, cfg.weights_dir)
+            progress.record(cfg.run_dir / "curve.json", elapsed)
         finally:
             stack.stop_server()
             for s, h in old.items():
