@@ -2,7 +2,10 @@
 
 Realistic trajectory groups (G=8 samples x 512 and x 4096 tokens, a quarter prompt, a
 float32 sampler log-prob per completion token) go through one private server, every side
-in the same run, alternating order between repeats; medians of the repeats are reported.
+in the same run, alternating order between repeats; medians of the repeats are reported,
+ratios are medians of the per-repeat ratios. By default a side publishes everything, then
+consumes it, in this process; --concurrent runs the two halves as two processes at once
+(a running system; needs spare cores to mean anything).
 
 1. vs raw (goal: streamer >= 0.90 of raw bytes/s)
    streamer  encode (schemas.encode) -> Publisher.publish_many (pipelined XADD) ->
@@ -10,24 +13,27 @@ in the same run, alternating order between repeats; medians of the repeats are r
              (np.concatenate of token ids and log-probs) -> Consumer.ack (XACK)
    raw       redis-py pipelined XADD / XREADGROUP / XACK of the same pre-encoded bytes,
              no codec, no arrays: the most this client and server move.
-2. vs PipelineRL-style (goal: streamer >= 5x its groups/s). Both start from the same plain
-   Python lists (what a sampler returns):
-   streamer  Sample.build + TrajectoryGroup + the whole path of 1.
-   pipelinerl  pickle.dumps of a dict of lists, one XADD each (MAXLEN ~), XREAD COUNT 1 from
-             the last id (no groups, no acks), pickle.loads, np.asarray to arrays.
-   A third row publishes one group per XADD (Publisher.publish) to show what pipelining adds.
+2. vs PipelineRL-style (goal: streamer >= 5x its groups/s), groups/s of:
+   streamer          the path of 1, from the same groups
+   ..., from lists   first building the groups from plain lists (Sample.build), as a
+                     producer does with a sampler's output: the stricter comparison
+   ..., 1 XADD/group Publisher.publish per group, no pipelining
+   pipelinerl-style  pickle.dumps of the dict of lists, one XADD each (MAXLEN ~), XREAD
+                     COUNT 1 from the last id (no groups, no acks), pickle.loads, np.asarray
 
-    python bench/transport.py                 # defaults (< 2 minutes on 2 cores)
-    python bench/transport.py --mb 400 --pipelinerl-mb 100 --repeats 9   # bigger
+    python bench/transport.py                 # defaults (< 1 minute on 2 cores)
+    python bench/transport.py --mb 400 --pipelinerl-mb 100 --repeats 9 --concurrent  # big box
     python bench/transport.py --quick         # smoke run (seconds)
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import pickle  # ONLY for the PipelineRL-style baseline we compare against; never elsewhere
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,51 +46,50 @@ from streamer.config import BusSection  # noqa: E402
 from streamer.keys import TRAINER_GROUP  # noqa: E402
 
 READ_TIMEOUT = 30.0  # a side that cannot read back what it wrote within this fails loudly
+MODES = {False: "publish, then consume, in one process",
+         True: "producer and consumer processes at once"}  # fmt: skip
+
+# Each side is a publish half and a consume half, (client, keys) -> None, run one after the
+# other in this process (default) or, with --concurrent, in two processes at once.
 
 
 # ---------------------------------------------------------------- the streamer path
 
 
-def streamer_side(
+def streamer_publish(
     client,
+    keys,
     groups: list[TrajectoryGroup],
     *,
     batch: int,
-    read_count: int,
     pipelined: bool = True,
     from_lists: list[dict] | None = None,
-) -> C.Stopwatch:
-    """Time to move ``groups`` through the bus end to end (publish all, then consume).
+) -> None:
+    """Publish ``groups`` (built first from ``from_lists``, as a producer builds them from a
+    sampler's lists, when given) with pipelined XADDs, or one XADD each."""
+    pub = Publisher(client, keys, BusSection(max_unacked=10**9))
+    if from_lists is not None:
+        groups = [from_plain(d) for d in from_lists]
+    for i in range(0, len(groups), batch):
+        if pipelined:
+            pub.publish_many(keys.traj, groups[i : i + batch])
+        else:
+            for g in groups[i : i + batch]:
+                pub.publish(keys.traj, g)
 
-    With ``from_lists`` the groups are first built from those plain dicts (timed), as a
-    producer builds them from a sampler's lists.
-    """
-    keys, cfg = C.fresh_keys(), BusSection(read_count=read_count, max_unacked=10**9)
-    consumer = Consumer(client, keys, keys.traj, TRAINER_GROUP, "bench",
-                        as_type=TrajectoryGroup, cfg=cfg)  # fmt: skip
-    pub, n = Publisher(client, keys, cfg), len(from_lists or groups)
-    try:
-        watch = C.Stopwatch(client)
-        watch.start()
-        if from_lists is not None:
-            groups = [from_plain(d) for d in from_lists]
-        for i in range(0, n, batch):
-            if pipelined:
-                pub.publish_many(keys.traj, groups[i : i + batch])
-            else:
-                for g in groups[i : i + batch]:
-                    pub.publish(keys.traj, g)
-        got, deadline = 0, time.monotonic() + READ_TIMEOUT
-        while got < n:
-            deliveries = consumer.read(count=read_count, block=1.0)
-            for d in deliveries:
-                C.tensor_ready(d.event)
-            consumer.ack([d.id for d in deliveries])
-            got += len(deliveries)
-            _check_deadline(deadline, got, n)
-        return watch.stop()
-    finally:
-        C.drop_run(client, keys)
+
+def streamer_consume(client, keys, n: int, *, read_count: int) -> None:
+    """Read ``n`` groups as the trainer does (decoded, validated), make arrays, ack."""
+    consumer = Consumer(client, keys, keys.traj, TRAINER_GROUP, "bench", as_type=TrajectoryGroup,
+                        cfg=BusSection(read_count=read_count))  # fmt: skip
+    got, deadline = 0, time.monotonic() + READ_TIMEOUT
+    while got < n:
+        deliveries = consumer.read(count=read_count, block=1.0)
+        for d in deliveries:
+            C.tensor_ready(d.event)
+        consumer.ack([d.id for d in deliveries])
+        got += len(deliveries)
+        _check_deadline(deadline, got, n)
 
 
 def from_plain(d: dict) -> TrajectoryGroup:
@@ -107,64 +112,100 @@ def from_plain(d: dict) -> TrajectoryGroup:
 # ---------------------------------------------------------------- the baselines
 
 
-def raw_side(client, payloads: list[bytes], *, batch: int, read_count: int) -> C.Stopwatch:
-    """Time for pipelined XADD, XREADGROUP COUNT>1 and XACK of pre-encoded bytes."""
-    keys = C.fresh_keys()
-    stream, n = keys.traj, len(payloads)
-    client.xgroup_create(stream, TRAINER_GROUP, id="0", mkstream=True)
-    try:
-        watch = C.Stopwatch(client)
-        watch.start()
-        for i in range(0, n, batch):
-            pipe = client.pipeline(transaction=False)
-            for p in payloads[i : i + batch]:
-                pipe.xadd(stream, {FIELD: p})
-            pipe.execute()
-        got, deadline = 0, time.monotonic() + READ_TIMEOUT
-        while got < n:
-            resp = client.xreadgroup(
-                TRAINER_GROUP, "raw", {stream: ">"}, count=read_count, block=1000
-            )
-            entries = resp[0][1] if resp else []
-            if entries:
-                client.xack(stream, TRAINER_GROUP, *(e[0] for e in entries))
-            got += len(entries)
-            _check_deadline(deadline, got, n)
-        return watch.stop()
-    finally:
-        C.drop_run(client, keys)
+def raw_publish(client, keys, payloads: list[bytes], *, batch: int) -> None:
+    """Pipelined XADD of pre-encoded bytes: no codec."""
+    for i in range(0, len(payloads), batch):
+        pipe = client.pipeline(transaction=False)
+        for p in payloads[i : i + batch]:
+            pipe.xadd(keys.traj, {FIELD: p})
+        pipe.execute()
 
 
-def pipelinerl_side(client, plain: list[dict]) -> C.Stopwatch:
-    """Time for the PipelineRL-style transport (the baseline; pickle lives only here).
+def raw_consume(client, keys, n: int, *, read_count: int) -> None:
+    """XREADGROUP COUNT>1 and XACK, the payload left as bytes."""
+    got, deadline = 0, time.monotonic() + READ_TIMEOUT
+    while got < n:
+        resp = client.xreadgroup(TRAINER_GROUP, "raw", {keys.traj: ">"}, count=read_count,
+                                 block=1000)  # fmt: skip
+        entries = resp[0][1] if resp else []
+        if entries:
+            client.xack(keys.traj, TRAINER_GROUP, *(e[0] for e in entries))
+        got += len(entries)
+        _check_deadline(deadline, got, n)
 
-    Writer: one ``XADD key MAXLEN ~ 1000000 * index <n> data <pickle>`` per group, no
-    pipelining. Reader: ``XREAD BLOCK 100 COUNT 1`` from the last id, no groups or acks.
-    """
-    keys = C.fresh_keys()
-    stream, n = keys.traj, len(plain)
-    try:
-        watch = C.Stopwatch(client)
-        watch.start()
-        for i, d in enumerate(plain):
-            fields = {"index": i, "data": pickle.dumps(d)}
-            client.xadd(stream, fields, maxlen=1_000_000, approximate=True)
-        got, last, deadline = 0, "0", time.monotonic() + READ_TIMEOUT
-        while got < n:
-            resp = client.xread({stream: last}, count=1, block=100)
-            for entry_id, fields in resp[0][1] if resp else []:
-                last = entry_id
-                C.plain_tensor_ready(pickle.loads(fields[b"data"]))  # the baseline's decode
-                got += 1
-            _check_deadline(deadline, got, n)
-        return watch.stop()
-    finally:
-        C.drop_run(client, keys)
+
+def pipelinerl_publish(client, keys, plain: list[dict]) -> None:
+    """The PipelineRL-style writer (the baseline; pickle lives only here): one
+    ``XADD key MAXLEN ~ 1000000 * index <n> data <pickle>`` per group, no pipelining."""
+    for i, d in enumerate(plain):
+        fields = {"index": i, "data": pickle.dumps(d)}
+        client.xadd(keys.traj, fields, maxlen=1_000_000, approximate=True)
+
+
+def pipelinerl_consume(client, keys, n: int) -> None:
+    """The PipelineRL-style reader: ``XREAD BLOCK 100 COUNT 1`` from the last id, no groups,
+    no acks; unpickle and turn the lists into arrays."""
+    got, last, deadline = 0, "0", time.monotonic() + READ_TIMEOUT
+    while got < n:
+        resp = client.xread({keys.traj: last}, count=1, block=100)
+        for entry_id, fields in resp[0][1] if resp else []:
+            last = entry_id
+            C.plain_tensor_ready(pickle.loads(fields[b"data"]))  # the baseline's decode
+            got += 1
+        _check_deadline(deadline, got, n)
 
 
 def _check_deadline(deadline: float, got: int, n: int) -> None:
     if time.monotonic() > deadline:
         raise SystemExit(f"read back only {got} of {n} entries within {READ_TIMEOUT:.0f}s")
+
+
+# ---------------------------------------------------------------- running a side
+
+
+def run_side(client, url: str, publish, consume, *, concurrent: bool) -> C.Stopwatch:
+    """Time ``publish`` and ``consume`` on a fresh stream that has the trainer group."""
+    keys = C.fresh_keys()
+    client.xgroup_create(keys.traj, TRAINER_GROUP, id="0", mkstream=True)
+    try:
+        if not concurrent:
+            watch = C.Stopwatch(client)
+            watch.start()
+            publish(client, keys)
+            consume(client, keys)
+            return watch.stop()
+        return _run_split(client, url, keys, publish, consume)
+    finally:
+        C.drop_run(client, keys)
+
+
+def _run_split(client, url: str, keys, publish, consume) -> C.Stopwatch:
+    """Producer and consumer in two forked processes started together; client CPU is theirs."""
+    ctx = multiprocessing.get_context("fork")
+    barrier, cpu = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, url, keys, barrier, cpu))
+             for fn in (publish, consume)]  # fmt: skip
+    for p in procs:
+        p.start()
+    watch = C.Stopwatch(client)
+    watch.start()
+    barrier.wait(timeout=30)
+    for p in procs:
+        p.join(READ_TIMEOUT + 30)
+    watch.stop()
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit(f"a side's process failed: exit codes {[p.exitcode for p in procs]}")
+    watch.cpu = cpu.get(timeout=5) + cpu.get(timeout=5)
+    return watch
+
+
+def _child(fn, url: str, keys, barrier, cpu) -> None:
+    client = C.bench_client(url)
+    barrier.wait(timeout=30)
+    c0 = time.process_time()
+    fn(client, keys)
+    cpu.put(time.process_time() - c0)
+    client.close()
 
 
 # ---------------------------------------------------------------- the two comparisons
@@ -191,35 +232,44 @@ def paired(per_repeat: list[dict], slow: str, fast: str) -> float:
     return C.median([r[slow] / r[fast] for r in per_repeat])
 
 
-def vs_raw(client, args, tokens: int) -> tuple[list, float]:
+def vs_raw(client, url: str, args, tokens: int) -> tuple[list, float]:
     """Item 1 for one size: table rows and the streamer/raw bytes/s ratio."""
     probe = len(encode(C.make_groups(1, tokens=tokens, group_size=args.group_size)[0]))
     n = max(4, int(args.mb * 1e6 / probe))
     groups = C.make_groups(n, tokens=tokens, group_size=args.group_size)
     payloads = [encode(g) for g in groups]
     total = sum(map(len, payloads))
-    kw = {"batch": args.batch, "read_count": args.read_count}
-    sides = {"streamer": lambda: streamer_side(client, groups, **kw),
-             "raw": lambda: raw_side(client, payloads, **kw)}  # fmt: skip
+    b, rc = args.batch, args.read_count
+    run = partial(run_side, client, url, concurrent=args.concurrent)
+    sides = {
+        "streamer": lambda: run(partial(streamer_publish, groups=groups, batch=b),
+                                partial(streamer_consume, n=n, read_count=rc)),
+        "raw": lambda: run(partial(raw_publish, payloads=payloads, batch=b),
+                           partial(raw_consume, n=n, read_count=rc)),
+    }  # fmt: skip
     med, per_repeat = run_sides(sides, args.repeats)
     rows = [[tokens, side, n, total / n / 1000, C.mb(total / med[side][0]), n / med[side][0]]
             + [t / n * 1e6 for t in med[side]] for side in sides]  # fmt: skip
     return rows, paired(per_repeat, "raw", "streamer")
 
 
-def vs_pipelinerl(client, args, tokens: int) -> tuple[list, dict[str, float]]:
+def vs_pipelinerl(client, url: str, args, tokens: int) -> tuple[list, dict[str, float]]:
     """Item 2 for one size: table rows and groups/s ratios against the PipelineRL style."""
     probe = len(encode(C.make_groups(1, tokens=tokens, group_size=args.group_size)[0]))
     n = max(4, int(args.pipelinerl_mb * 1e6 / probe))
     groups = C.make_groups(n, tokens=tokens, group_size=args.group_size, seed=1)
     plain = [C.as_plain_dict(g) for g in groups]
-    kw = {"batch": args.batch, "read_count": args.read_count}
+    b, run = args.batch, partial(run_side, client, url, concurrent=args.concurrent)
+    consume = partial(streamer_consume, n=n, read_count=args.read_count)
     sides = {
-        "streamer": lambda: streamer_side(client, groups, **kw),
-        "streamer, from lists": lambda: streamer_side(client, [], from_lists=plain, **kw),
-        "streamer, 1 XADD/group": lambda: streamer_side(client, groups, pipelined=False, **kw),
-        "pipelinerl-style": lambda: pipelinerl_side(client, plain),
-    }
+        "streamer": lambda: run(partial(streamer_publish, groups=groups, batch=b), consume),
+        "streamer, from lists": lambda: run(
+            partial(streamer_publish, groups=[], from_lists=plain, batch=b), consume),
+        "streamer, 1 XADD/group": lambda: run(
+            partial(streamer_publish, groups=groups, batch=b, pipelined=False), consume),
+        "pipelinerl-style": lambda: run(partial(pipelinerl_publish, plain=plain),
+                                        partial(pipelinerl_consume, n=n)),
+    }  # fmt: skip
     med, per_repeat = run_sides(sides, args.repeats)
     wire = {side: probe for side in sides} | {"pipelinerl-style": len(pickle.dumps(plain[0]))}
     rows = [[tokens, side, n, wire[side] / 1000, n / med[side][0]]
@@ -238,6 +288,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=16, help="groups per pipelined publish")
     ap.add_argument("--read-count", type=int, default=64, help="COUNT of each XREADGROUP")
     ap.add_argument("--only", choices=["raw", "pipelinerl"], help="run only one comparison")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="publish and consume in two processes at once (a running system) "
+                         "instead of one after the other in this process")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     args = ap.parse_args(argv)
     if args.quick:
@@ -253,11 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         client = C.bench_client(url)
         print(f"{C.server_version(client)}, G={args.group_size}, {args.repeats} repeats (medians; "
               f"ratios are medians of paired repeats), publish batch {args.batch}, "
-              f"read COUNT {args.read_count}")  # fmt: skip
+              f"read COUNT {args.read_count}, {MODES[args.concurrent]}")  # fmt: skip
         if args.only in (None, "raw"):
             rows = []
             for tokens in args.sizes:
-                r, ratio = vs_raw(client, args, tokens)
+                r, ratio = vs_raw(client, url, args, tokens)
                 rows += r
                 ratios[f"vs_raw_{tokens}"] = ratio
                 goals[f"vs_raw_{tokens}"] = C.verdict(ratio, at_least=0.90)
@@ -267,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "pipelinerl"):
             rows = []
             for tokens in args.sizes:
-                r, rs = vs_pipelinerl(client, args, tokens)
+                r, rs = vs_pipelinerl(client, url, args, tokens)
                 rows += r
                 ratios[f"vs_pipelinerl_{tokens}"] = rs["streamer"]
                 goals[f"vs_pipelinerl_{tokens}"] = C.verdict(rs["streamer"], at_least=5.0)
