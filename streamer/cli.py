@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = role("status", "streams, lag, versions, producers, dead letters of a run")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     role("smoke", "a round trip of every event type through an embedded server")
-    sub.add_parser("config-doc", help="print the config reference (Markdown)")
+    cd = sub.add_parser("config-doc", help="print the config reference (Markdown)")
+    cd.add_argument("--write", metavar="FILE", help="update the reference between FILE's markers")
+    cd.add_argument("--check", metavar="FILE", help="exit 1 when FILE's reference is stale")
     return p
 
 
@@ -92,9 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     if args.cmd == "config-doc":
-        from streamer.configdoc import render
+        from streamer.configdoc import render, sync
 
-        print(render())
+        if args.check:
+            fresh = sync(args.check, check=True)
+            print(f"{args.check}: config reference is {'current' if fresh else 'stale'}")
+            return 0 if fresh else 1
+        if args.write:
+            sync(args.write, check=False)
+        else:
+            print(render())
         return 0
     try:
         cfg = resolve_config(args)

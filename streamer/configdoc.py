@@ -35,3 +35,25 @@ def render() -> str:
                 )
             )
     return "\n".join(lines)
+
+
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def sync(path, *, check: bool) -> bool:
+    """Put the reference between the markers of ``path``; with ``check``, only compare.
+
+    Returns whether the file was (or, with ``check``, is) up to date.
+    """
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
+    if not rest:
+        raise ValueError(f"{path} has no {START} marker")
+    fresh = f"{head}{START}\n{render()}\n{END}{tail}"
+    if check:
+        return fresh == text
+    Path(path).write_text(fresh)
+    return True

@@ -80,3 +80,12 @@ def test_config_reference_documents_every_key():
         for f in msgspec.structs.fields(type(getattr(cfg, section.name))):
             line = next(ln for ln in doc.splitlines() if f"`{section.name}.{f.name}`" in ln)
             assert line.rstrip(" |").split("|")[-1].strip(), f"{section.name}.{f.name} has no doc"
+
+
+def test_readme_config_reference_is_current():
+    from pathlib import Path
+
+    from streamer.configdoc import sync
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    assert sync(readme, check=True), "README config reference is stale: streamer config-doc --write README.md"
