@@ -15,7 +15,7 @@ lease was swept cannot publish a row that someone else now holds:
 - :meth:`Leases.hand_back` requeues the ticket at the front (shutdown, sampler failure).
 
 Admission slots are tied to leases as well: :meth:`Leases.hold_slot` records that a
-ticket holds a slot (``{prefix}:lease_slots``), and whoever ends a lease without
+ticket holds a slot (``keys.lease_slots``), and whoever ends a lease without
 publishing (hand back, finish, or the sweep of a dead producer's lease) gives the slot
 back, so a crashed producer cannot leak admission capacity.
 """
@@ -101,11 +101,6 @@ return 1
 """
 
 
-def slots_key(keys: Keys) -> str:
-    """SET of tickets that hold an admission slot (kept here: only leases use it)."""
-    return f"{keys.prefix}:lease_slots"
-
-
 class Leases:
     """Claims, renews and ends row leases of one producer (``owner``)."""
 
@@ -134,7 +129,7 @@ class Leases:
         limit = -1 if self.total_tickets is None else self.total_tickets
         return int(
             self._claim(
-                keys=[k.cursor, k.leases, k.lease_owner, k.requeue, slots_key(k), k.admitted],
+                keys=[k.cursor, k.leases, k.lease_owner, k.requeue, k.lease_slots, k.admitted],
                 args=[self.owner, self.lease_seconds, limit, self.sweep_batch],
             )
         )
@@ -149,7 +144,7 @@ class Leases:
     def hold_slot(self, ticket: int) -> bool:
         """Record that ``ticket`` holds the slot just admitted; if the lease is gone, give it back."""
         k = self.keys
-        return bool(self._hold(keys=[k.lease_owner, slots_key(k), k.admitted], args=[ticket, self.owner]))
+        return bool(self._hold(keys=[k.lease_owner, k.lease_slots, k.admitted], args=[ticket, self.owner]))
 
     def publish(self, ticket: int, payload: bytes) -> str | None:
         """XADD ``payload`` to the trajectory stream and end the lease, atomically.
@@ -158,7 +153,7 @@ class Leases:
         """
         k = self.keys
         entry = self._publish(
-            keys=[k.traj, k.leases, k.lease_owner, slots_key(k)],
+            keys=[k.traj, k.leases, k.lease_owner, k.lease_slots],
             args=[ticket, self.owner, FIELD, payload],
         )
         return None if entry is None else entry.decode() if isinstance(entry, bytes) else entry
@@ -175,7 +170,7 @@ class Leases:
         k = self.keys
         return bool(
             self._end(
-                keys=[k.leases, k.lease_owner, slots_key(k), k.admitted, k.requeue],
+                keys=[k.leases, k.lease_owner, k.lease_slots, k.admitted, k.requeue],
                 args=[ticket, self.owner, int(requeue)],
             )
         )

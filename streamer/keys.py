@@ -55,6 +55,10 @@ class Keys:
         return self._k("lease_owner")  # HASH ticket -> producer id
 
     @property
+    def lease_slots(self) -> str:
+        return self._k("lease_slots")  # SET of tickets that hold an admission slot
+
+    @property
     def requeue(self) -> str:
         return self._k("requeue")  # LIST of tickets whose lease expired, handed out first
 

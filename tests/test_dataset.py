@@ -9,7 +9,7 @@ import time
 import pytest
 
 from producers.dataset import DatasetError, Order, load_rows
-from producers.leases import EXHAUSTED, WAIT, Leases, slots_key
+from producers.leases import EXHAUSTED, WAIT, Leases
 from streamer import demo
 from streamer.admission import Admission
 
@@ -159,6 +159,6 @@ def test_slots_of_unpublished_leases_are_given_back(client, keys):
     assert adm.snapshot()["admitted"] == 2
     _wait_expired(client, keys, 0)
     assert a.claim() == 2 and a.claim() == 0  # the handed-back one first, then the expired one
-    assert adm.snapshot()["admitted"] == 1 and client.scard(slots_key(keys)) == 0
+    assert adm.snapshot()["admitted"] == 1 and client.scard(keys.lease_slots) == 0
     # a lease lost while waiting for admission gives the fresh slot straight back
     assert adm.try_admit() and not dead.hold_slot(0) and adm.snapshot()["admitted"] == 1

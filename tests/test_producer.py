@@ -18,7 +18,6 @@ import pytest
 from producers.components import Task, build
 from producers.dataset import Order
 from producers.fake_server import FakeCompletionsServer, canned
-from producers.leases import slots_key
 from producers.producer import Producer
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from schemas.metric_names import ROLLOUT
@@ -174,7 +173,7 @@ def _blocked(client, keys, published: int) -> bool:
     return (
         client.xlen(keys.traj) >= published
         and client.hlen(keys.lease_owner) == 3
-        and client.scard(slots_key(keys)) == 0
+        and client.scard(keys.lease_slots) == 0
     )
 
 
