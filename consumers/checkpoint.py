@@ -18,7 +18,6 @@ makes the names unique. Pruned checkpoints keep their ``state.json`` so the audi
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
@@ -35,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from streamer import weights
 from streamer.errors import StreamerError
+from streamer.weights import fsync, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def save(
         tensors, layout = _flatten_optimizer(optimizer.state_dict())
         save_file(tensors, tmp / "optimizer.safetensors")
         save_file(_rng_tensors(), tmp / "rng.safetensors")
-        files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         meta = CheckpointMeta(
             name=name, step=step, version=version, parent=parent, high_water=high_water,
             group_ids=list(group_ids), entry_ids=list(entry_ids), files=files, optimizer=layout,
@@ -96,13 +96,13 @@ def save(
         )  # fmt: skip
         (tmp / STATE).write_bytes(msgspec.json.encode(meta))
         for p in tmp.rglob("*"):
-            _fsync(p)
-        _fsync(tmp)
+            fsync(p)
+        fsync(tmp)
         final = root / name
         if final.exists():  # only a damaged leftover can hold a never-reused version's name
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync(root)
+        fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -127,7 +127,7 @@ def verify(path: Path) -> CheckpointMeta:
         f = Path(path) / rel
         if not f.is_file():
             raise CheckpointError(f"{path}: {rel} is missing")
-        if _sha256(f) != sha:
+        if sha256_file(f) != sha:
             raise CheckpointError(f"{path}: {rel} does not match its sha256")
     return meta
 
@@ -240,24 +240,3 @@ def _jsonable(v: Any) -> Any:
 
 def _tuples(v: Any) -> Any:
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -35,10 +35,19 @@ def digest(directory: Path) -> str:
     if not files:
         raise WeightsError(f"no .safetensors files in {directory}")
     for f in files:
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 22):
-                h.update(chunk)
+        _hash_into(h, f)
     return h.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    return _hash_into(hashlib.sha256(), path).hexdigest()
+
+
+def _hash_into(h, path: Path):
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h
 
 
 def write_version(model, root: Path, version: int) -> tuple[str, str]:
@@ -51,11 +60,11 @@ def write_version(model, root: Path, version: int) -> tuple[str, str]:
         model.save_pretrained(tmp, safe_serialization=True)
         sha = digest(tmp)
         for f in tmp.iterdir():
-            _fsync(f)
+            fsync(f)
         if final.exists():  # a version number is never reused; a leftover is from a crash
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync(root)
+        fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -124,7 +133,8 @@ def _tied_keys(model) -> set[str]:
     return set(keys) if getattr(model.config, "tie_word_embeddings", False) else set()
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """fsync a file or directory, best effort (some filesystems refuse directories)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
