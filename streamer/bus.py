@@ -173,7 +173,7 @@ class Publisher:
                 log.info("backpressure: %d unacked entries >= %d, waiting", n, limit)
                 logged = waited or 1e-9
             time.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
+            delay = min(delay * 1.5, 0.25)  # resume within a quarter second of room
         waited = time.monotonic() - start
         self.waited_seconds += waited
         return waited
