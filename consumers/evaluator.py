@@ -29,7 +29,7 @@ from producers.follow import WeightFollower
 from producers.rewards import score
 from schemas import MetricsEvent, WeightSync
 from streamer import models
-from streamer.bus import Publisher, connect
+from streamer.bus import Publisher, connect, retrying
 from streamer.config import RunConfig
 from streamer.keys import Keys
 
@@ -55,8 +55,8 @@ class Evaluator:
         log.info("evaluating %d rows every %d versions (reward %s)", len(self.rows),
                  self.e.eval_every, self.task.reward_path)  # fmt: skip
         self.start()
-        while not self.stop.is_set() and not self._done():
-            self.step(block=self.cfg.bus.block_seconds)
+        while not self.stop.is_set() and not self._done():  # server outages: logged backoff
+            retrying(lambda: self.step(block=self.cfg.bus.block_seconds), what="evaluator")
         return 0
 
     def start(self) -> None:
@@ -99,7 +99,7 @@ class Evaluator:
             "eval_seconds": time.monotonic() - start,
         }
         event = MetricsEvent(axis="eval", step=version, values=values, source=SOURCE)
-        self.publisher.publish(self.keys.metrics, event)
+        retrying(lambda: self.publisher.publish(self.keys.metrics, event), what="publishing eval metrics")
         self.evaluated.append(version)
         log.info("version %d: accuracy %.3f, reward %.3f over %d rows (%.1fs)", version,
                  values["accuracy"], values["reward_mean"], n, values["eval_seconds"])  # fmt: skip

@@ -240,7 +240,7 @@ class Trainer:
             ack = lambda: self.client.xack(self.keys.traj, TRAINER_GROUP, *entry_ids)  # noqa: E731
             retrying(ack, what="acknowledging trained entries")
             self.feeder.acked(entry_ids)
-            trim_acked(self.client, self.keys.traj)
+            retrying(lambda: trim_acked(self.client, self.keys.traj), what="trimming trajectories")
         checkpoint.prune(self.cfg.checkpoint_dir, self.tc.keep_checkpoints)
         log.info("checkpoint %s covers %d groups (high-water %s)", meta.name, len(entry_ids), meta.high_water)
 

@@ -32,7 +32,7 @@ from producers.samplers import SamplerError
 from producers.stats import Pending, Timings, group_values
 from schemas import MetricsEvent, Sample, TrajectoryGroup, encode
 from streamer.admission import Admission
-from streamer.bus import Publisher, connect, unacked
+from streamer.bus import Publisher, connect, retrying, unacked
 from streamer.config import RunConfig
 from streamer.keys import Keys
 
@@ -77,7 +77,9 @@ class Producer:
                 if self.p.max_groups and self.published >= self.p.max_groups:
                     log.info("published %d groups (max_groups): done", self.published)
                     break
-                if self.step() == "exhausted":
+                # a server outage (restart, network) is waited out with logged backoff; the
+                # row being worked on is handed back or its lease expires and it is re-issued
+                if retrying(self.step, what=f"producer {self.id}") == "exhausted":
                     log.info("all %d epochs claimed and finished: done", self.p.epochs)
                     break
         finally:
