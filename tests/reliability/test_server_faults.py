@@ -1,0 +1,200 @@
+"""The server dies or freezes under a running pipeline (trainer, producer, evaluator, exporter).
+
+- SIGKILL + restart on the same port with ``appendfsync always``: every process reconnects
+  within a bound, the run finishes, every acknowledged write is still there.
+- ``appendfsync everysec``: how many acknowledged writes a SIGKILL loses, counted.
+- SIGSTOP for 20 s: every process waits, logs with backoff, does not crash, and continues.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+import redis
+
+from consumers import checkpoint
+from streamer.bus import connect
+from streamer.config import TrainerSection
+from streamer.keys import Keys
+from streamer.server import EmbeddedServer, free_port
+
+from harness import audit, keep_everything, policy_version_list, report, run_config, wait_for
+
+pytestmark = pytest.mark.slow
+
+TRAINER = {"groups_per_step": 2, "checkpoint_every": 2, "max_staleness": 1000}
+NAMES = {"trainer": "streamer-trainer", "producer": "producer-p0", "eval": "eval", "metrics": "streamer-metrics"}
+
+
+class AckedWriter(threading.Thread):
+    """XADDs a numbered entry every ``interval`` s, remembering the ids the server acknowledged."""
+
+    def __init__(self, url: str, stream: str, interval: float = 0.01):
+        super().__init__(daemon=True)
+        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.stream, self.interval = stream, interval
+        self.acked: list[bytes] = []
+        self.failed = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        n = 0
+        while not self.done.is_set():
+            n += 1
+            try:
+                self.acked.append(self.client.xadd(self.stream, {"n": n}))
+            except redis.exceptions.RedisError:
+                self.failed += 1  # not acknowledged: may or may not be there
+            self.done.wait(self.interval)
+
+    def missing(self, client) -> int:
+        present = {i for i, _ in client.xrange(self.stream)}
+        return sum(i not in present for i in self.acked)
+
+
+def _start_pipeline(procs, url: str, config, port: int) -> None:
+    common = ("--config", str(config), "--redis-url", url)
+    procs.start("metrics", "metrics", *common, "--port", str(port))
+    procs.start("trainer", "train", *common)
+    procs.start("producer", "produce", *common, "--id", "p0")
+    procs.start("eval", "eval", *common)
+
+
+def _client_names(client) -> set[str]:
+    try:
+        return {c.get("name") for c in client.client_list()}
+    except redis.exceptions.RedisError:
+        return set()
+
+
+def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, inference, tmp_path):
+    server, _ = inference
+    # backpressure (16 unacked) holds the producer back until after the restart, where it
+    # finishes its 30 groups (the trainer's 12 steps consume 24, making room for 40)
+    url, keys, steps, groups = private_valkey.url, Keys("restart"), 12, 30
+    client = connect(url)
+    keep_everything(client, keys)
+    config = run_config(
+        tmp_path / "run.toml", keys, tmp_path / "data", bus={"max_unacked": 16},
+        trainer={**TRAINER, "steps": steps},
+        producer={"sampler": "remote", "remote_url": server.url, "max_groups": groups},
+        eval={"eval_every": 2},
+    )  # fmt: skip
+    _start_pipeline(procs, url, config, free_port())
+    wait_for(lambda: client.xlen(keys.policy) >= 4 and set(NAMES.values()) <= _client_names(client),
+             timeout=120, what="3 trainer steps and every process connected", logs=procs)  # fmt: skip
+    writer = AckedWriter(url, f"{keys.prefix}:acktest")
+    writer.start()
+    wait_for(lambda: len(writer.acked) >= 20, timeout=10, what="acknowledged writes")
+    before = {"policy": client.xlen(keys.policy), "traj": client.xlen(keys.traj)}
+    assert before["traj"] < groups, "the producer finished before the restart: nothing to test"
+    private_valkey.kill()
+    time.sleep(1.0)  # the outage
+    private_valkey.start()
+    restarted = time.monotonic()
+    client = connect(url)
+    reconnect: dict[str, float] = {}
+    while len(reconnect) < len(NAMES) and time.monotonic() - restarted < 60:
+        for role in [r for r, n in NAMES.items() if n in _client_names(client) and r not in reconnect]:
+            reconnect[role] = round(time.monotonic() - restarted, 2)
+        time.sleep(0.05)
+    assert procs.wait("trainer", 180) == 0, procs.tails()
+    assert procs.wait("producer", 120) == 0, procs.tails()
+    writer.done.set()
+    writer.join(5)
+    exits = {name: procs.stop(name) for name in ("eval", "metrics")}
+
+    result = audit(client, keys, tmp_path / "data" / keys.run / "checkpoints", TrainerSection(**TRAINER))
+    versions = policy_version_list(client, keys)
+    from_p0 = result.published  # the only producer
+    report(
+        "server-restart-always", outage_seconds=1.0, reconnect_seconds=reconnect,
+        acked_writes=len(writer.acked), acked_writes_lost=writer.missing(client),
+        producer_groups_acked=groups, producer_groups_present=from_p0, **result.figures,
+        versions=len(versions), crashed=sum(c != 0 for c in exits.values()),
+    )  # fmt: skip
+    assert set(reconnect) == set(NAMES), f"not reconnected within 60 s: {set(NAMES) - set(reconnect)}"
+    assert max(reconnect.values()) < 15, reconnect
+    assert writer.missing(client) == 0
+    assert from_p0 == groups, "the producer's acknowledged publishes are not all there"
+    assert client.xlen(keys.policy) > before["policy"] and client.xlen(keys.traj) > before["traj"]
+    assert not result.lost and not result.duplicated
+    assert versions == list(range(versions[0], versions[0] + len(versions))), versions  # no gap, no repeat
+    assert checkpoint.audit_chain(tmp_path / "data" / keys.run / "checkpoints")[-1].step == steps
+    assert exits == {"eval": 0, "metrics": 0}, procs.tails()
+
+
+def test_appendfsync_everysec_loss_is_counted(tmp_path):
+    """A process crash (SIGKILL) of a server with everysec: count acknowledged writes lost."""
+    server = EmbeddedServer(tmp_path / "v", appendfsync="everysec").start()
+    lost, acked, rounds = [], 0, 3
+    try:
+        for r in range(rounds):
+            writer = AckedWriter(server.url, f"everysec:{r}", interval=0.0)
+            writer.start()
+            wait_for(lambda w=writer: len(w.acked) >= 2000, timeout=30, what="2000 acknowledged writes")
+            server.kill()  # mid-stream: the writer is sending as fast as it can
+            writer.done.set()
+            writer.join(5)
+            server.start()
+            lost.append(writer.missing(connect(server.url)))
+            acked += len(writer.acked)
+    finally:
+        server.stop()
+    report("server-restart-everysec", kills=rounds, acked_writes=acked, acked_writes_lost=lost,
+           note="SIGKILL of the process only; an OS crash can lose up to ~1 s of writes")  # fmt: skip
+    assert all(n >= 0 for n in lost)
+
+
+def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp_path):
+    server, _ = inference
+    url, keys, steps = private_valkey.url, Keys("sigstop"), 8
+    client = connect(url)
+    keep_everything(client, keys)
+    config = run_config(
+        tmp_path / "run.toml", keys, tmp_path / "data",
+        bus={"max_unacked": 32, "block_seconds": 0.5, "socket_timeout": 2.0},
+        trainer={**TRAINER, "steps": steps},
+        producer={"sampler": "remote", "remote_url": server.url},
+        eval={"eval_every": 2},
+    )  # fmt: skip
+    _start_pipeline(procs, url, config, free_port())
+    wait_for(lambda: client.xlen(keys.policy) >= 3 and set(NAMES.values()) <= _client_names(client),
+             timeout=120, what="2 trainer steps and every process connected", logs=procs)  # fmt: skip
+    marks = {n: len(procs.log(n)) for n in NAMES}
+    before = {"policy": client.xlen(keys.policy), "traj": client.xlen(keys.traj)}
+    os.kill(private_valkey.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(20.0)  # the outage itself
+        alive = {n: procs.procs[n].poll() is None for n in NAMES}
+    finally:
+        os.kill(private_valkey.proc.pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    wait_for(lambda: client.xlen(keys.policy) > before["policy"] and client.xlen(keys.traj) > before["traj"],
+             timeout=60, what="new versions and groups after the outage", logs=procs)  # fmt: skip
+    continued_after = round(time.monotonic() - resumed, 2)
+    assert procs.wait("trainer", 180) == 0, procs.tails()
+    exits = {name: procs.stop(name) for name in ("producer", "eval", "metrics")}
+
+    outage_logs = {n: procs.log(n)[marks[n]:] for n in NAMES}
+    warnings = {n: len(re.findall(r" WARNING .*(unavailable|failed|retrying)", t)) for n, t in outage_logs.items()}
+    delays = {n: [float(d) for d in re.findall(r"retrying in ([\d.]+)s", t)] for n, t in outage_logs.items()}
+    result = audit(client, keys, tmp_path / "data" / keys.run / "checkpoints", TrainerSection(**TRAINER))
+    report(
+        "server-sigstop-20s", outage_seconds=20, alive_during_outage=sum(alive.values()),
+        warnings=warnings, continued_after_seconds=continued_after, **result.figures,
+        crashed=sum(c != 0 for c in exits.values()) + (not all(alive.values())),
+    )  # fmt: skip
+    assert all(alive.values()), f"died during the outage: {alive}\n{procs.tails()}"
+    assert exits == {"producer": 0, "eval": 0, "metrics": 0}, procs.tails()
+    for name in ("trainer", "producer"):
+        assert warnings[name] >= 1, f"{name} logged nothing about the outage\n{outage_logs[name][-2000:]}"
+        assert warnings[name] <= 40, f"{name} logged {warnings[name]} warnings in 20 s: no backoff"
+        if len(delays[name]) >= 2:
+            assert max(delays[name]) > min(delays[name]), f"{name}: retry delays do not grow: {delays[name]}"
+    assert not result.lost and not result.duplicated
