@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from streamer import weights
 from streamer.errors import StreamerError
-from streamer.weights import fsync, sha256_file
+from streamer.weights import fsync, sha256_file, writing
 
 log = logging.getLogger(__name__)
 
@@ -80,32 +80,33 @@ def save(
 ) -> CheckpointMeta:
     """Write a checkpoint atomically; returns its metadata once it is durable on disk."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     name = name_for(step, version)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
-    try:
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        tensors, layout = _flatten_optimizer(optimizer.state_dict())
-        save_file(tensors, tmp / "optimizer.safetensors")
-        save_file(_rng_tensors(), tmp / "rng.safetensors")
-        files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-        meta = CheckpointMeta(
-            name=name, step=step, version=version, parent=parent, high_water=high_water,
-            group_ids=list(group_ids), entry_ids=list(entry_ids), files=files, optimizer=layout,
-            python_rng=_jsonable(random.getstate()), created_at=time.time(),
-        )  # fmt: skip
-        (tmp / STATE).write_bytes(msgspec.json.encode(meta))
-        for p in tmp.rglob("*"):
-            fsync(p)
-        fsync(tmp)
-        final = root / name
-        if final.exists():  # only a damaged leftover can hold a never-reused version's name
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writing(f"checkpoint {name}", root):  # disk full, read-only: one clear DiskError
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+        try:
+            model.save_pretrained(tmp / "model", safe_serialization=True)
+            tensors, layout = _flatten_optimizer(optimizer.state_dict())
+            save_file(tensors, tmp / "optimizer.safetensors")
+            save_file(_rng_tensors(), tmp / "rng.safetensors")
+            files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+            meta = CheckpointMeta(
+                name=name, step=step, version=version, parent=parent, high_water=high_water,
+                group_ids=list(group_ids), entry_ids=list(entry_ids), files=files, optimizer=layout,
+                python_rng=_jsonable(random.getstate()), created_at=time.time(),
+            )  # fmt: skip
+            (tmp / STATE).write_bytes(msgspec.json.encode(meta))
+            for p in tmp.rglob("*"):
+                fsync(p)
+            fsync(tmp)
+            final = root / name
+            if final.exists():  # only a damaged leftover can hold a never-reused version's name
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fsync(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return meta
 
 
@@ -155,7 +156,9 @@ def restore(path: Path, meta: CheckpointMeta, *, model, optimizer: torch.optim.O
     """Load weights, optimizer state and RNG state of a verified checkpoint in place."""
     path = Path(path)
     weights.load_into(model, path / "model")
-    tensors = load_file(path / "optimizer.safetensors")
+    # copies, not views into the file's mmap: the optimizer keeps them, and a mapped file's
+    # disk space is not freed when the checkpoint is pruned (nor can its disk go read-only)
+    tensors = {k: t.clone() for k, t in load_file(path / "optimizer.safetensors").items()}
     optimizer.load_state_dict(_unflatten_optimizer(tensors, meta.optimizer))
     rng = load_file(path / "rng.safetensors")
     torch.set_rng_state(rng["torch"])

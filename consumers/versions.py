@@ -24,6 +24,7 @@ import torch
 from schemas import WeightSync, encode
 from streamer import weights
 from streamer.bus import FIELD, retrying
+from streamer.errors import StreamerError
 from streamer.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,10 @@ class VersionPublisher:
                 if self._error is None:
                     self._write_and_announce(*item)
             except BaseException as e:  # surfaced by the next submit/drain
-                log.exception("publishing version %d failed", item[1])
+                if isinstance(e, StreamerError):  # a clear reason (disk full ...): one line
+                    log.error("publishing version %d failed: %s", item[1], e)
+                else:
+                    log.exception("publishing version %d failed", item[1])
                 self._error = e
             finally:
                 self._queue.task_done()
@@ -116,5 +120,7 @@ class VersionPublisher:
         self.last_seconds = time.monotonic() - start
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, StreamerError):  # the CLI prints it as one line, exit 1
+            raise StreamerError(f"publishing a policy version failed: {self._error}") from self._error
         if self._error is not None:
             raise RuntimeError("publishing a policy version failed") from self._error

@@ -19,3 +19,7 @@ class BackpressureTimeout(StreamerError, TimeoutError):
 
 class WeightsError(StreamerError, ValueError):
     """A weight-sync event whose weights cannot or must not be loaded."""
+
+
+class DiskError(StreamerError, OSError):
+    """A file streamer must write cannot be written (disk full, read-only, no permission)."""

@@ -8,6 +8,7 @@ No pickle: nothing here calls ``torch.load``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -17,7 +18,7 @@ import urllib.parse
 from pathlib import Path
 
 from schemas import WeightSync
-from streamer.errors import WeightsError
+from streamer.errors import DiskError, WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +54,35 @@ def _hash_into(h, path: Path):
 def write_version(model, root: Path, version: int) -> tuple[str, str]:
     """Save ``model`` (a transformers PreTrainedModel) as version ``version``; (uri, sha256)."""
     root = Path(root).resolve()
-    root.mkdir(parents=True, exist_ok=True)
     final = version_dir(root, version)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        sha = digest(tmp)
-        for f in tmp.iterdir():
-            fsync(f)
-        if final.exists():  # a version number is never reused; a leftover is from a crash
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writing(f"policy version {version}", root):
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            sha = digest(tmp)
+            for f in tmp.iterdir():
+                fsync(f)
+            if final.exists():  # a version number is never reused; a leftover is from a crash
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fsync(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return final.as_uri(), sha
+
+
+@contextlib.contextmanager
+def writing(what: str, directory: Path):
+    """Turn a failed write (disk full, read-only, no permission) into one clear DiskError."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        raise DiskError(f"cannot write {what} in {directory}: {reason}") from e
 
 
 def prune(root: Path, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
