@@ -54,10 +54,11 @@ class Trainer:
 
     def __init__(
         self, cfg: RunConfig, client, keys: Keys, learner: Learner, *,
-        stop: threading.Event, name: str = CONSUMER_NAME,
+        stop: threading.Event, name: str = CONSUMER_NAME, group_filter: GroupFilter | None = None,
     ):  # fmt: skip
         self.cfg, self.tc, self.client, self.keys = cfg, cfg.trainer, client, keys
         self.learner, self.stop, self.name = learner, stop, name
+        self.group_filter = group_filter or GroupFilter.from_config(self.tc)  # before any write
         self.admission = Admission(
             client, keys, max_staleness=self.tc.max_staleness, groups_per_step=self.tc.groups_per_step
         )
@@ -94,7 +95,7 @@ class Trainer:
         self.feeder = Feeder(
             consumer,
             admission=self.admission,
-            group_filter=GroupFilter.from_config(tc),
+            group_filter=self.group_filter,
             groups_per_step=tc.groups_per_step,
             collate=lambda groups: collate(groups, std_normalize=tc.std_normalize, std_floor=tc.std_floor),
             version=lambda: self.version,
@@ -273,11 +274,12 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     _quiet_transformers()
     try:
         url = cfg.require_redis_url()
+        group_filter = GroupFilter.from_config(cfg.trainer)  # a bad user_filter: before anything runs
         client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
         keys = Keys(cfg.run.name)
         learner = build_learner(cfg)
         log.info("trainer for run %s on %s", cfg.run.name, learner.device)
-        return Trainer(cfg, client, keys, learner, stop=stop).run()
+        return Trainer(cfg, client, keys, learner, stop=stop, group_filter=group_filter).run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -15,6 +15,7 @@ from typing import Literal
 import msgspec
 
 from streamer.errors import ConfigError
+from streamer.keys import Keys
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -31,6 +32,12 @@ class RunSection(_Section):
     redis_url: str = ""  # redis://, rediss://, unix://; empty = the embedded server of `up`
     data_dir: str = ".streamer"  # weights, checkpoints, logs and the embedded server's data
     seed: int = 0  # base seed for sampling, shuffling and initialisation
+
+    def __post_init__(self) -> None:
+        try:  # the run name is part of every key
+            Keys(self.name)
+        except ValueError as e:
+            raise ValueError(f"`name` is not usable: {e}") from None
 
 
 class ModelSection(_Section):
