@@ -21,7 +21,7 @@ alternate order between repeats; medians of the repeats are reported.
 
     python bench/async_speedup.py                 # 4 producers, 3 repeats (< 2 minutes)
     python bench/async_speedup.py --quick         # smoke run
-    python bench/async_speedup.py --producers 8 --steps 40 --repeats 5 --latency 0.05
+    python bench/async_speedup.py --producers 8 --steps 40 --repeats 5 --latency 0.02
 
 Final line: ``ratios: async_vs_sync=...x`` (AReaL reports 2.77x at cluster scale).
 """
@@ -141,7 +141,12 @@ def run_side(staleness: int, *, url: str, sampler_url: str, workdir: Path, args,
         cleanups.append(threading.Thread(target=cleanup, args=(procs, client, keys)))
         cleanups[-1].start()
     train = [e for e in events if e.axis == "train"]
-    return {**summarize(train, warmup=args.warmup), "first_step": min(e.at for e in train) - started}
+    sampled = [e.values["sample_seconds"] for e in events if e.axis == "rollout" and "sample_seconds" in e.values]
+    return {
+        **summarize(train, warmup=args.warmup),
+        "sampling_s": C.median(sampled) * args.groups_per_step / args.producers,
+        "first_step": min(e.at for e in train) - started,
+    }
 
 
 def summarize(train: list[MetricsEvent], *, warmup: int) -> dict:
@@ -169,7 +174,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     C.add_server_args(ap)
     ap.set_defaults(repeats=3)
     ap.add_argument("--producers", type=int, default=4, help="producer processes")
-    ap.add_argument("--latency", type=float, default=0.05, help="seconds per sampling request (one group)")
+    ap.add_argument("--latency", type=float, default=0.03, help="seconds per sampling request (one group)")
     ap.add_argument("--steps", type=int, default=12, help="measured trainer steps per run")
     ap.add_argument("--warmup", type=int, default=3,
                     help="trainer steps not measured (>= max_staleness + 1: the backlog producers "
@@ -215,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for side, staleness in SIDES.items():
         med = {k: C.median([r[k] for r in results[side]]) for k in results[side][0]}
-        rows.append([side, staleness, med["rate"], med["step_s"], med["train_s"], med["wait_s"],
-                     med["staleness"], med["rejected"]])  # fmt: skip
-    C.print_table(["side", "max_staleness", "groups/s", "s/step", "train s", "data wait s",
-                   "mean lag", "rejected"], rows)  # fmt: skip
+        rows.append([side, staleness, med["rate"], med["step_s"], med["train_s"], med["sampling_s"],
+                     med["wait_s"], med["staleness"], med["rejected"]])  # fmt: skip
+    C.print_table(["side", "max_staleness", "groups/s", "s/step", "train s", "sampling s",
+                   "data wait s", "mean lag", "rejected"], rows)  # fmt: skip
+    print("s/step: wall time per step; train s: the optimizer step (learner.train_step); sampling s: "
+          "a step's groups / producers x the median time a producer's sample request took")
     per_repeat = [a["rate"] / s["rate"] for a, s in zip(results["async"], results["sync"])]
     ratio = C.median([r["rate"] for r in results["async"]]) / C.median([r["rate"] for r in results["sync"]])
     print(f"per-repeat ratios {', '.join(f'{x:.2f}' for x in per_repeat)}; "
