@@ -12,6 +12,10 @@ or a reason from ``schemas.metric_names.REJECT_REASONS``. The checks, in order:
 4. ``zero_variance``: every reward equal, so every advantage is 0 and the group teaches
    nothing (it would only dilute the token-mean);
 5. ``user_filter``: a ``(group) -> bool`` function named by import path returned False.
+
+Groups that decode but cannot be trained at all (:func:`unusable`: token ids outside the
+vocabulary, NaN log-probs, rewards beyond float32) never get here: the trainer's consumer
+dead-letters them with the reason.
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 
 from schemas import Sample, TrajectoryGroup
+from schemas.events import LOGPROB_DTYPE, TOKEN_DTYPE
 from streamer.config import TrainerSection
 from streamer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 GroupPredicate = Callable[[TrajectoryGroup], bool]
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +47,23 @@ class Verdict:
     @property
     def accepted(self) -> bool:
         return self.reason is None
+
+
+def unusable(group: TrajectoryGroup, *, vocab_size: int) -> str | None:
+    """Why a decoded group cannot be trained (its entry is dead-lettered), or None.
+
+    A group that decodes may still crash or poison a step: token ids outside the model's
+    embedding (an IndexError that would kill the trainer on every restart), NaN/inf
+    sampler log-probs, or rewards that overflow float32 (NaN advantages, NaN weights).
+    """
+    tokens = np.frombuffer(b"".join(s.tokens for s in group.samples), TOKEN_DTYPE)
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        return f"token ids outside the model's vocabulary [0, {vocab_size}): {tokens.min()}..{tokens.max()}"
+    if not np.isfinite(np.frombuffer(b"".join(s.logprobs for s in group.samples), LOGPROB_DTYPE)).all():
+        return "sampler log-probs contain NaN or infinity"
+    if any(abs(s.reward) > _F32_MAX for s in group.samples):
+        return "a reward does not fit float32"
+    return None
 
 
 def is_stale(group: TrajectoryGroup, *, version: int, max_staleness: int) -> bool:

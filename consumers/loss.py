@@ -34,11 +34,11 @@ def group_advantages(
 
     The std is the population std (a group of one has advantage 0, not NaN).
     """
-    rewards = rewards.float()
+    rewards = rewards.double()  # float32 sums of large rewards overflow to inf (NaN advantages)
     centered = rewards - rewards.mean()
     if not std_normalize:
-        return centered
-    return centered / rewards.std(unbiased=False).clamp_min(std_floor)
+        return centered.float()
+    return (centered / rewards.std(unbiased=False).clamp_min(std_floor)).float()
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -26,13 +26,14 @@ import random
 import signal
 import threading
 import time
+from functools import partial
 
 import torch
 
 from consumers import checkpoint
 from consumers.batch import collate
 from consumers.feed import Feeder, Ready, parse_id
-from consumers.filters import GroupFilter, is_stale
+from consumers.filters import GroupFilter, is_stale, unusable
 from consumers.learner import Learner
 from consumers.versions import VersionPublisher
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, encode
@@ -86,9 +87,10 @@ class Trainer:
         log.info("policy version %d at step %d (%s)", self.version, self.step, self.parent or "initial")
         tc = self.tc
         self.admission.publish_limits(max_staleness=tc.max_staleness, groups_per_step=tc.groups_per_step)
+        vocab = self.learner.model.get_input_embeddings().num_embeddings
         consumer = Consumer(
             self.client, self.keys, self.keys.traj, TRAINER_GROUP, self.name,
-            as_type=TrajectoryGroup, cfg=self.cfg.bus,
+            as_type=TrajectoryGroup, cfg=self.cfg.bus, validate=partial(unusable, vocab_size=vocab),
         )  # fmt: skip
         self._ack_covered_pending()
         tc = self.tc

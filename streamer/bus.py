@@ -193,8 +193,9 @@ class Delivery(Generic[T]):
 class Consumer(Generic[T]):
     """One consumer of a consumer group: own pending entries first, then claims, then new.
 
-    Entries that fail to decode, or that were delivered more than ``max_deliveries`` times,
-    are dead-lettered and acknowledged in one transaction; ``read`` never raises for them.
+    Entries that fail to decode (or that ``validate`` finds unusable), or that were delivered
+    more than ``max_deliveries`` times, are dead-lettered and acknowledged in one transaction;
+    ``read`` never raises for them.
     """
 
     def __init__(
@@ -208,9 +209,11 @@ class Consumer(Generic[T]):
         as_type: type[T],
         cfg: BusSection,
         start_id: str = "0",
+        validate: Callable[[T], str | None] | None = None,
     ):
         self.client, self.keys, self.stream, self.group, self.name = client, keys, stream, group, name
         self.as_type, self.cfg = as_type, cfg
+        self.validate = validate  # event -> reason it is unusable (dead-lettered), or None
         self.dead_lettered = 0
         self._pending_cursor: str | None = "0"  # None once our own pending list is drained
         self._next_claim = 0.0
@@ -287,7 +290,10 @@ class Consumer(Generic[T]):
                 except DecodeError as e:
                     dead.append((entry_id, payload, e.reason))
                 else:
-                    out.append(Delivery(entry_id, event, n, len(payload)))
+                    if self.validate is not None and (reason := self.validate(event)):
+                        dead.append((entry_id, payload, reason))
+                    else:
+                        out.append(Delivery(entry_id, event, n, len(payload)))
         if dead:
             self._dead_letter(dead)
         return out
