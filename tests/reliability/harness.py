@@ -23,7 +23,7 @@ from pathlib import Path
 from consumers import checkpoint
 from consumers.filters import GroupFilter
 from producers.samplers import Completion
-from schemas import DecodeError, TrajectoryGroup, decode
+from schemas import DeadLetter, DecodeError, TrajectoryGroup, decode
 from streamer import demo
 from streamer.bus import FIELD
 from streamer.config import TrainerSection
@@ -191,15 +191,17 @@ class Audit:
     trained: int = 0  # in the checkpoint chain (exactly once)
     rejected: Counter = field(default_factory=Counter)  # acknowledged, filter reason
     waiting: int = 0  # not yet acknowledged, newer than the high-water id
+    dead_lettered: int = 0  # acknowledged into the dead-letter stream (undecodable, unusable)
     lost: list = field(default_factory=list)  # acknowledged but neither trained nor rejectable
     duplicated: list = field(default_factory=list)  # trained more than once
-    undecodable: int = 0
+    undecodable: int = 0  # and not dead-lettered
 
     @property
     def figures(self) -> dict:
         return {
             "published": self.published, "trained": self.trained,
             "rejected": sum(self.rejected.values()), "waiting": self.waiting,
+            "dead_lettered": self.dead_lettered,
             "lost": len(self.lost), "duplicated": len(self.duplicated),
         }  # fmt: skip
 
@@ -214,6 +216,8 @@ def audit(client, keys: Keys, checkpoint_dir: Path, trainer: TrainerSection) -> 
     group = next((g for g in client.xinfo_groups(keys.traj) if _s(g["name"]) == TRAINER_GROUP), None)
     delivered_to = _id(_s(group["last-delivered-id"])) if group else (0, 0)
     judge = GroupFilter.from_config(trainer)
+    dead = {d.entry_id for d in (decode(f[FIELD], DeadLetter) for _, f in client.xrange(keys.dead))
+            if d.stream == keys.traj}  # fmt: skip
     out = Audit()
     out.duplicated = [g for g, n in trained_groups.items() if n > 1]
     for raw_id, fields in client.xrange(keys.traj):
@@ -223,6 +227,9 @@ def audit(client, keys: Keys, checkpoint_dir: Path, trainer: TrainerSection) -> 
             out.trained += 1
             continue
         acked = _id(entry_id) <= delivered_to and entry_id not in pending
+        if acked and entry_id in dead:
+            out.dead_lettered += 1
+            continue
         try:
             g = decode(fields[FIELD], TrajectoryGroup)
         except (DecodeError, KeyError):
