@@ -1,0 +1,105 @@
+"""Weight-sync events that must not be loaded: a uri outside the configured weights directory
+(absolute elsewhere, `..`, percent-encoded `..`, a symlink out, a relative path, another
+scheme) or a wrong sha256. A producer and the evaluator each reject every one, log it,
+count it (the producer's rollout metric ``weight_load_errors``) and keep the weights they
+have; the next good version loads. The outside directory holds valid weights with the
+right sha256: the location alone must be enough to refuse it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from consumers.evaluator import Evaluator
+from producers.components import build, load_task, local_sampler
+from producers.producer import Producer
+from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
+from streamer import demo, models, weights
+from streamer.bus import FIELD
+from streamer.config import RunConfig, replace
+
+from harness import report
+
+
+def _cfg(keys, redis_url, tmp_path) -> RunConfig:
+    return replace(
+        RunConfig(), run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path / "data")},
+        producer={"group_size": 2, "max_new_tokens": 2, "torch_threads": 1}, trainer={"groups_per_step": 1000},
+        eval={"max_rows": 4, "max_new_tokens": 2, "eval_every": 1},
+    )  # fmt: skip
+
+
+def _bad_syncs(cfg: RunConfig, tmp_path) -> list[tuple[str, str, str]]:
+    """(case, uri, sha256): each must be refused."""
+    root = cfg.weights_dir
+    outside = tmp_path / "elsewhere"
+    uri_out, sha_out = weights.write_version(demo.build_model(seed=5), outside, 1)  # valid, right sha
+    uri_in, _ = weights.write_version(demo.build_model(seed=6), root, 2)
+    (root / "link").symlink_to(weights.version_dir(outside, 1), target_is_directory=True)
+    rel = os.path.relpath(weights.version_dir(outside, 1), root)
+    return [
+        ("outside the directory", uri_out, sha_out),
+        ("dot-dot", f"{root.resolve().as_uri()}/{rel}", sha_out),
+        ("percent-encoded dot-dot", f"{root.resolve().as_uri()}/{rel.replace('..', '%2e%2e')}", sha_out),
+        ("symlink out", (root / "link").absolute().as_uri(), sha_out),
+        ("relative path", f"file:{rel}", sha_out),
+        ("other scheme", f"http://127.0.0.1:1/{rel}", sha_out),
+        ("missing directory", f"{root.resolve().as_uri()}/v99999999", sha_out),
+        ("wrong sha256", uri_in, "0" * 64),
+    ]
+
+
+def _params(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_producer_and_evaluator_refuse_weights_outside_the_directory_or_with_a_wrong_sha(
+    client, keys, redis_url, tmp_path, caplog
+):
+    cfg = _cfg(keys, redis_url, tmp_path)
+    task, sampler = build(cfg)
+    producer = Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler)
+    tok = models.load_tokenizer(cfg.model)
+    ev_sampler, stops = local_sampler(cfg, tok)
+    ev_task = load_task(cfg, dataset="demo", split="eval", tokenizer=tok, extra_stop_ids=stops)
+    evaluator = Evaluator(cfg, client=client, task=ev_task, sampler=ev_sampler)
+    evaluator.start()  # evaluates the initial weights (version 0)
+    cases = _bad_syncs(cfg, tmp_path)
+    before = {"producer": _params(sampler.model), "eval": _params(ev_sampler.model)}
+    refused = {"producer": 0, "eval": 0}
+    with caplog.at_level(logging.ERROR, logger="producers.follow"):
+        for version, (case, uri, sha) in enumerate(cases, start=1):
+            client.xadd(keys.policy, {FIELD: encode(WeightSync(version=version, step=version, uri=uri, sha256=sha))})
+            assert producer.step() == "published", case
+            group = decode(client.xrange(keys.traj)[-1][1][FIELD], TrajectoryGroup)
+            refused["producer"] += group.policy_version == 0 and _same(before["producer"], _params(sampler.model))
+            refused["eval"] += evaluator.step() is None and _same(before["eval"], _params(ev_sampler.model))
+        logged = sum(f"cannot load policy version {v}" in caplog.text for v in range(1, len(cases) + 1))
+    rollout = [decode(f[FIELD], MetricsEvent) for _, f in client.xrange(keys.metrics)]
+    counted = sum(e.values.get("weight_load_errors", 0) for e in rollout if e.axis == "rollout")
+
+    good = len(cases) + 1
+    uri, sha = weights.write_version(demo.build_model(seed=7), cfg.weights_dir, good)
+    client.xadd(keys.policy, {FIELD: encode(WeightSync(version=good, step=good, uri=uri, sha256=sha))})
+    assert producer.step() == "published"
+    assert evaluator.step() == good
+    loaded_after = decode(client.xrange(keys.traj)[-1][1][FIELD], TrajectoryGroup).policy_version == good
+    producer.close()
+    report(
+        "weight-sync-refused", cases=len(cases), producer_refused=refused["producer"],
+        evaluator_refused=refused["eval"], producer_errors_counted=int(counted),
+        evaluator_errors_counted=evaluator.follower.errors, log_lines=logged,
+        loaded=0 if refused["producer"] == len(cases) else "?", good_version_loaded_after=loaded_after,
+    )  # fmt: skip
+    assert refused == {"producer": len(cases), "eval": len(cases)}, refused
+    assert counted == len(cases) and producer.follower.errors == len(cases)
+    assert evaluator.follower.errors == len(cases)
+    assert logged == len(cases), caplog.text
+    assert loaded_after and evaluator.evaluated == [0, good]
