@@ -1,0 +1,432 @@
+"""Weight-sync latency: from the trainer's publication of a version to every producer
+sampling with it, against the raw safetensors save + load of the same weights.
+
+The trainer's side is the trainer's own publisher (consumers.versions.VersionPublisher,
+driven here without training: snapshot the weights, write them as a version directory
+with streamer.weights.write_version, XADD the WeightSync in one MULTI with the version
+key). The producers are real producer processes (producers.producer.Producer with its
+real WeightFollower, admission, leases and publishing) holding the real policy model:
+each new version is resolved (path inside weights_dir, sha256 checked) and loaded into
+that model in place. By default their sampling is a fixed latency (``--sample-latency``,
+standing in for generation on an accelerator, which would not use these CPU cores);
+``--real-sampling`` runs plain `streamer produce` with CPU generation instead.
+
+When each producer has loaded a version is read off the stream, exactly: a producer
+loads before its next group, and that group's ``created_at`` is stamped right after the
+load returns, with ``policy_version`` = the version loaded; its rollout metrics carry the
+load's duration (``weight_load_seconds``). Versions go out one at a time: the next only
+after every producer has loaded the last. Per version:
+
+    publish   step end (snapshot taken) -> WeightSync.at (files written, fsynced, hashed)
+    notice    WeightSync.at -> the producer starts loading (finishes its current group)
+    load      sha256 check + fit check + load into the model (weight_load_seconds)
+    raw       safetensors save_file of the same tensors + load_file + load_state_dict into
+              the model, in this process, after each version (median over all of a model's)
+
+The goal (issue 8): publish-to-every-producer (WeightSync.at -> last producer loaded)
+<= 1.5x raw. The end-to-end figure (step end -> last producer loaded) is printed too.
+
+    python bench/weight_sync.py                        # demo + ~100M model, 1 and 4 producers
+    python bench/weight_sync.py --quick                # smoke run (demo only)
+    python bench/weight_sync.py --models big --versions 10 --producers 1 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as C  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from consumers import versions  # noqa: E402
+from consumers.versions import VersionPublisher  # noqa: E402
+from producers.samplers import Completion  # noqa: E402
+from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode  # noqa: E402
+from streamer import demo, weights  # noqa: E402
+from streamer.admission import Admission  # noqa: E402
+from streamer.bus import FIELD, connect  # noqa: E402
+from streamer.keys import Keys  # noqa: E402
+
+GOAL = 1.5
+WIDE_OPEN = 10**9
+WAIT = 120.0  # seconds any one wait may take before the bench gives up loudly
+
+
+# ---------------------------------------------------------------- models
+
+
+def big_config(*, hidden: int, layers: int):
+    """A Qwen2 config of ~100M parameters at the defaults (16 x 768), demo vocabulary."""
+    from transformers import Qwen2Config
+
+    tok = demo.tokenizer()
+    return Qwen2Config(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=2,
+        max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+
+
+def build(kind: str, workdir: Path, args) -> tuple[torch.nn.Module, str]:
+    """(the trainer's model, model.name_or_path for the producers: the same initial weights)."""
+    if kind == "demo":
+        return demo.build_model(0), "demo"
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(big_config(hidden=args.hidden, layers=args.layers))
+    path = workdir / "big-model"
+    model.save_pretrained(path)
+    demo.tokenizer().save_pretrained(path)
+    return model, str(path)
+
+
+# ---------------------------------------------------------------- the producer processes
+
+
+class PacedSampler:
+    """The producer's local policy model for loading; sampling is a fixed latency."""
+
+    def __init__(self, inner, *, latency: float):
+        self.inner, self.latency = inner, latency
+
+    def sample(self, prompt_ids, *, n, **_kw) -> list[Completion]:
+        time.sleep(self.latency)
+        eos = self.inner.stop_ids[0]
+        return [Completion([eos], [-1.0], "stop") for _ in range(n)]
+
+    def load_weights(self, directory: Path) -> None:
+        self.inner.load_weights(directory)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def producer_child(config: str, producer_id: str, latency: float, *, verify: bool) -> int:
+    """A producer process: the real Producer loop with a PacedSampler around its model
+    (``verify=False``: the what-if of loading without the sha256 check)."""
+    from producers.components import build as build_parts
+    from producers.producer import Producer
+    from streamer.config import load_config
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    if not verify:
+        weights.resolve = functools.partial(weights.resolve, check_sha=False)
+    cfg = load_config(config)
+    client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name=producer_id)
+    task, sampler = build_parts(cfg)
+    producer = Producer(cfg, client=client, producer_id=producer_id, task=task,
+                        sampler=PacedSampler(sampler, latency=latency))  # fmt: skip
+    signal.signal(signal.SIGTERM, lambda *_: producer.stop.set())
+    try:
+        return producer.run()
+    finally:
+        producer.close()
+        client.close()
+
+
+def write_config(path: Path, *, run: str, url: str, model: str) -> Path:
+    path.write_text(
+        f'[run]\nname = "{run}"\nredis_url = "{url}"\ndata_dir = "{path.parent}"\n'
+        f'[model]\nname_or_path = "{model}"\n[bus]\nmax_unacked = {WIDE_OPEN}\n'
+        '[producer]\ngroup_size = 2\nmin_group_size = 1\nmax_new_tokens = 1\n'
+        'reward = "streamer.demo:reward"\ntorch_threads = 1\nshutdown_grace = 5.0\n'
+    )  # fmt: skip
+    return path
+
+
+def spawn(config: Path, producer_id: str, args) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": "1"}
+    if args.real_sampling:
+        cmd = ["-m", "streamer", "--log-level", "WARNING", "produce", "--config", str(config),
+               "--id", producer_id]  # fmt: skip
+    else:
+        cmd = [__file__, "--producer-child", str(config), producer_id, str(args.sample_latency),
+               str(int(args.verify))]  # fmt: skip
+    with open(config.parent / f"{producer_id}.log", "ab") as log:
+        return subprocess.Popen([sys.executable, *cmd], cwd=config.parent, env=env, stdout=log, stderr=log)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+# ---------------------------------------------------------------- observing the loads
+
+
+class Loads:
+    """When each producer finished loading each version, and how long the load took."""
+
+    def __init__(self, client, keys: Keys):
+        self.client, self.keys = client, keys
+        self.cursors = {keys.traj: "0-0", keys.metrics: "0-0"}
+        self.loaded: dict[tuple[str, int], float] = {}  # (producer, version) -> created_at
+        self.load_events: dict[str, list[tuple[float, float]]] = {}  # producer -> [(at, seconds)]
+
+    def poll(self) -> None:
+        resp = self.client.xread(self.cursors, count=10_000, block=50)
+        for stream, entries in resp or []:
+            stream = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in entries:
+                self.cursors[stream] = entry_id
+                self._take(stream, fields[FIELD])
+
+    def _take(self, stream: str, raw: bytes) -> None:
+        if stream == self.keys.traj:
+            g = decode(raw, TrajectoryGroup)
+            self.loaded.setdefault((g.producer_id, g.policy_version), g.created_at)
+        else:
+            e = decode(raw, MetricsEvent)
+            if e.values.get("weight_loads") and "weight_load_seconds" in e.values:
+                pid = e.source.removeprefix("producer-")
+                self.load_events.setdefault(pid, []).append((e.at, e.values["weight_load_seconds"]))
+
+    def wait(self, producers: list[str], version: int, procs) -> None:
+        """Until every producer has published a group sampled with ``version``."""
+        deadline = time.monotonic() + WAIT
+        while any((p, version) not in self.loaded for p in producers):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                missing = [p for p in producers if (p, version) not in self.loaded]
+                raise SystemExit(f"producers {missing} did not load version {version}")
+            self.poll()
+
+    def load_seconds(self, producer: str, loaded_at: float) -> float:
+        """The duration of the load that finished at ``loaded_at`` (in the metrics of the
+        group sampled right after it; waits for that event)."""
+        deadline = time.monotonic() + WAIT
+        while True:
+            for at, seconds in self.load_events.get(producer, []):
+                if at >= loaded_at:
+                    return seconds
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no weight_load_seconds from {producer} after {loaded_at}")
+            self.poll()
+
+
+# ---------------------------------------------------------------- the measurement
+
+
+class Clock:
+    """Seconds the publisher spends in its parts: the real functions, wrapped with a timer
+    in this process only (the producers' processes are untouched). Install once."""
+
+    def __init__(self):
+        self.seconds = {"snapshot": 0.0, "save": 0.0, "sha256": 0.0, "fsync": 0.0}
+        self._wrap(versions.Snapshot, "save_pretrained", "save")
+        self._wrap(versions, "Snapshot", "snapshot")
+        self._wrap(weights, "digest", "sha256")
+        self._wrap(weights, "fsync", "fsync")
+
+    def _wrap(self, owner, name: str, part: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.seconds)
+        self.seconds = dict.fromkeys(out, 0.0)
+        return out
+
+
+def raw_save_load(model, path: Path) -> tuple[float, float]:
+    """Seconds for safetensors save_file of the model's tensors, load_file, and the copy
+    into the model (what any reload needs): the floor a file-based sync could reach."""
+    from safetensors.torch import load_file, save_file
+
+    seen, state = set(), {}
+    for name, t in model.state_dict().items():  # tied tensors once (safetensors refuses aliases)
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            state[name] = t
+    start = time.perf_counter()
+    save_file(state, str(path))
+    saved = time.perf_counter()
+    model.load_state_dict(load_file(str(path)), strict=False)
+    loaded = time.perf_counter()
+    path.unlink()
+    return saved - start, loaded - saved
+
+
+def one_version(model, version: int, *, publisher: VersionPublisher, loads: Loads, client, keys,
+                producers: list[str], procs, workdir: Path, jitter: float, clock: Clock) -> dict:  # fmt: skip
+    """Publish ``version``, wait until every producer loaded it; its timings."""
+    with torch.no_grad():
+        for p in model.parameters():  # a different version (as a step would make it)
+            p.add_(1e-6)
+    time.sleep(random.uniform(0.0, jitter))  # out of phase with the producers' groups
+    clock.take()
+    submitted = time.time()
+    publisher.submit(model, version=version, step=version)
+    publisher.drain()
+    _, fields = client.xrevrange(keys.policy, count=1)[0]
+    sync = decode(fields[FIELD], WeightSync)
+    assert sync.version == version, (sync.version, version)
+    loads.wait(producers, version, procs)
+    done = {p: loads.loaded[(p, version)] for p in producers}
+    took = {p: loads.load_seconds(p, done[p]) for p in producers}
+    last = max(done.values())
+    parts = clock.take()
+    raw_save, raw_load = raw_save_load(model, workdir / "raw.safetensors")
+    return {
+        **parts,
+        "publish": sync.at - submitted,
+        "path": sync.at - submitted + max(took.values()),
+        "notice": max(done[p] - took[p] - sync.at for p in producers),
+        "load": max(took.values()),
+        "xadd_to_all": last - sync.at,
+        "end_to_all": last - submitted,
+        "raw_save": raw_save,
+        "raw_load": raw_load,
+        "raw": raw_save + raw_load,
+    }
+
+
+def measure(kind: str, *, url: str, workdir: Path, args, clock: Clock) -> dict[int, list[dict]]:
+    """Per producer count: the timings of each measured version (for one model)."""
+    workdir.mkdir(parents=True)
+    model, source = build(kind, workdir, args)
+    keys = C.fresh_keys("wsync")
+    client = C.bench_client(url)
+    config = write_config(workdir / f"{keys.run}.toml", run=keys.run, url=url, model=source)
+    Admission(client, keys, max_staleness=0, groups_per_step=1).publish_limits(
+        max_staleness=0, groups_per_step=WIDE_OPEN)  # fmt: skip
+    publisher = VersionPublisher(client, keys, root=workdir / keys.run / "weights", keep_versions=3,
+                                 protect=lambda: -1)  # fmt: skip
+    publisher.publish_now(model, version=0, step=0)  # as the trainer does at start
+    loads, procs, producers, version = Loads(client, keys), [], [], 0
+    results: dict[int, list[dict]] = {}
+    try:
+        for count in sorted(args.producers):
+            new = [f"p{i}" for i in range(len(producers), count)]
+            procs += [spawn(config, p, args) for p in new]
+            producers += new
+            loads.wait(producers, version, procs)  # all up and sampling with the newest version
+            for i in range(args.warmup + args.versions):
+                version += 1
+                res = one_version(model, version, publisher=publisher, loads=loads, client=client,
+                                  keys=keys, producers=producers, procs=procs, workdir=workdir,
+                                  jitter=args.sample_latency, clock=clock)  # fmt: skip
+                if i >= args.warmup:
+                    results.setdefault(count, []).append(res)
+            print(f"  {kind}: {count} producer(s) done", flush=True)
+    finally:
+        stop(procs)
+        publisher.close()
+        C.drop_run(client, keys)
+        client.close()
+    return {"params": sum(p.numel() for p in model.parameters()) / 1e6, **results}
+
+
+# ---------------------------------------------------------------- report
+
+
+def p95(xs: list[float]) -> float:
+    return float(np.percentile(xs, 95))
+
+
+def report(all_results: dict[str, dict], args) -> None:
+    latency, parts, ratios, goals = [], [], {}, {}
+    for kind, res in all_results.items():
+        every = [r for count in args.producers for r in res[count]]
+        raw = {k: C.median([r[k] for r in every]) for k in ("raw", "raw_save", "raw_load")}
+        for count in sorted(args.producers):
+            runs = res[count]
+            med = {k: C.median([r[k] for r in runs]) for k in runs[0]}
+            name = f"{kind} {res['params']:.1f}M"
+            latency.append([name, count, len(runs), med["xadd_to_all"], p95([r["xadd_to_all"] for r in runs]),
+                            med["end_to_all"], p95([r["end_to_all"] for r in runs]), raw["raw"],
+                            med["xadd_to_all"] / raw["raw"]])  # fmt: skip
+            parts.append([name, count, *(med[k] for k in ("publish", "snapshot", "save", "sha256", "fsync")),
+                          raw["raw_save"], med["notice"], med["load"], raw["raw_load"]])  # fmt: skip
+            for ratio, key in ((f"{kind}_{count}p", "xadd_to_all"), (f"{kind}_{count}p_path", "path")):
+                ratios[ratio] = med[key] / raw["raw"]
+                goals[ratio] = f"goal <= {GOAL:g}: {'met' if ratios[ratio] <= GOAL else 'NOT met'}"
+    mode = f"sampling paced at {args.sample_latency * 1e3:.0f} ms/group"
+    mode = "CPU generation" if args.real_sampling else mode
+    verify = "" if args.verify else ", producers NOT checking sha256 (what-if)"
+    print(f"seconds; medians over {args.versions} versions after {args.warmup} warm-up ({mode}{verify}); "
+          "raw: median over all of the model's versions")  # fmt: skip
+    C.print_table(["model", "producers", "versions", "xadd->all", "p95", "end->all", "p95", "raw",
+                   "xadd->all/raw"], latency)  # fmt: skip
+    print("where the time goes (publish: this process's publisher, timed part by part; notice and "
+          "load: slowest producer's)")
+    C.print_table(["model", "producers", "publish", "snapshot", "save", "sha256", "fsync", "raw save",
+                   "notice", "load", "raw load"], parts)  # fmt: skip
+    print("legend: NAME = xadd->all / raw (issue 8's definition); NAME_path = (publish + load) / raw, "
+          "the data path without the wait for the group in flight")
+    C.print_ratios(ratios, goals=goals)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    C.add_server_args(ap)
+    ap.add_argument("--models", nargs="+", choices=["demo", "big"], default=["demo", "big"])
+    ap.add_argument("--producers", nargs="+", type=int, default=[1, 4], help="producer counts")
+    ap.add_argument("--versions", type=int, default=5, help="measured versions per producer count")
+    ap.add_argument("--warmup", type=int, default=1, help="versions not measured per producer count")
+    ap.add_argument("--hidden", type=int, default=768, help="hidden size of the big model")
+    ap.add_argument("--layers", type=int, default=16, help="layers of the big model")
+    ap.add_argument("--sample-latency", type=float, default=0.05, help="seconds per paced group")
+    ap.add_argument("--real-sampling", action="store_true",
+                    help="plain `streamer produce` (CPU generation) instead of paced sampling")
+    ap.add_argument("--no-verify", dest="verify", action="store_false",
+                    help="what-if: paced producers load without checking the sha256 (resolve's "
+                         "check_sha=False); shows what the check costs")  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
+    ap.add_argument("--producer-child", nargs=4, metavar=("CONFIG", "ID", "LATENCY", "VERIFY"),
+                    help=argparse.SUPPRESS)  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.producers, args.versions = ["demo"], [1, 2], 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.producer_child:
+        config, producer_id, latency, verify = args.producer_child
+        return producer_child(config, producer_id, float(latency), verify=verify == "1")
+    from consumers.trainer import _quiet_transformers
+
+    _quiet_transformers()
+    torch.set_num_threads(1)  # the trainer's writer is one thread; producers have one each
+    began = time.monotonic()
+    results, clock = {}, Clock()
+    with tempfile.TemporaryDirectory(prefix="streamer-wsync-") as tmp, C.server_url(args) as url:
+        for kind in args.models:
+            results[kind] = measure(kind, url=url, workdir=Path(tmp) / kind, args=args, clock=clock)
+    report(results, args)
+    print(f"bench took {time.monotonic() - began:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
