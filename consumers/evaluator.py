@@ -54,8 +54,8 @@ class Evaluator:
         """Evaluate the current version, then each eligible new one, until stopped."""
         log.info("evaluating %d rows every %d versions (reward %s)", len(self.rows),
                  self.e.eval_every, self.task.reward_path)  # fmt: skip
-        self.start()
-        while not self.stop.is_set() and not self._done():  # server outages: logged backoff
+        retrying(self.start, what="evaluator")  # server outages: logged backoff
+        while not self.stop.is_set() and not self._done():
             retrying(lambda: self.step(block=self.cfg.bus.block_seconds), what="evaluator")
         return 0
 

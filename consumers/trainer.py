@@ -144,7 +144,7 @@ class Trainer:
 
     def run(self) -> int:
         try:
-            self.start()
+            retrying(self.start, what="starting the trainer")  # a restart mid-start: again, a new version
             try:
                 self._loop()
             finally:
