@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from harness import NoisyBackend, Procs
+
 from producers.fake_server import FakeCompletionsServer
 
 

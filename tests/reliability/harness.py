@@ -20,6 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer_data import REPO, write_config
+
 from consumers import checkpoint
 from consumers.filters import GroupFilter
 from producers.samplers import Completion
@@ -28,7 +30,6 @@ from streamer import demo
 from streamer.bus import FIELD
 from streamer.config import TrainerSection
 from streamer.keys import TRAINER_GROUP, Keys
-from trainer_data import REPO, write_config
 
 REPORT_ENV = "STREAMER_RELIABILITY_REPORT"
 AUDIT_GROUP = "audit"  # a second group on the trajectory stream: nothing it has not acked is trimmed

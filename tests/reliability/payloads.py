@@ -12,11 +12,18 @@ from collections import Counter
 from collections.abc import Callable
 
 import msgspec
+from trainer_data import make_group
 
 from consumers.filters import unusable
-from schemas import DecodeError, MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
+from schemas import (
+    DecodeError,
+    MetricsEvent,
+    TrajectoryGroup,
+    WeightSync,
+    decode,
+    encode,
+)
 from streamer import demo
-from trainer_data import make_group
 
 VOCAB = len(demo.tokenizer())
 _raw = msgspec.msgpack.Encoder()

@@ -10,12 +10,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+from harness import audit, keep_everything, report, run_config, wait_for
 
 from consumers import checkpoint
 from streamer.bus import connect, unacked
 from streamer.config import TrainerSection
-
-from harness import audit, keep_everything, report, run_config, wait_for
 
 pytestmark = pytest.mark.slow
 

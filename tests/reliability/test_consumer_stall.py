@@ -19,12 +19,11 @@ import signal
 import time
 
 import pytest
+from harness import audit, keep_everything, report, run_config, wait_for
 
 from streamer.bus import connect
 from streamer.config import TrainerSection
 from streamer.keys import TRAINER_GROUP
-
-from harness import audit, keep_everything, report, run_config, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -15,17 +15,16 @@ import subprocess
 import uuid
 
 import pytest
+from harness import report, run_config, wait_for
+from trainer_data import make_group, publish
 
 from consumers import checkpoint
 from consumers.learner import Learner
 from schemas import WeightSync, decode
 from streamer import demo, weights
-from streamer.bus import FIELD, connect
+from streamer.bus import FIELD, connect, unacked
 from streamer.config import TrainerSection
 from streamer.keys import Keys
-from trainer_data import make_group, publish
-
-from harness import report, run_config, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +36,7 @@ LEAVE = 640 * 1024  # room for a policy version (~310 KB) but not a checkpoint (
 def small_disk(tmp_path):
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True, check=False)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     yield mnt
@@ -58,7 +57,7 @@ def _fill(directory, *, leave: int) -> int:
 
 
 def _remount_read_only(mnt) -> bool:
-    return subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode == 0
+    return subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True, check=False).returncode == 0
 
 
 def _state(ckpt_dir, weights_dir, client, keys) -> dict:
@@ -89,8 +88,10 @@ def _error_lines(log: str) -> list[str]:
     return [ln for ln in log.splitlines() if ln.startswith("streamer train:")]
 
 
-def _after_failure(ckpt_dir, weights_dir, client, keys, log: str, code: int) -> dict:
-    """What a failed write left behind; the newest checkpoint must still load."""
+def _after_failure(ckpt_dir, weights_dir, client, keys, log: str, code: int, *, temp_ok: bool) -> dict:
+    """What a failed write left behind; the newest checkpoint must still load. A temp dir
+    cannot be removed from a read-only disk (``temp_ok``): readers never look at one, and
+    the next trainer's prune removes it."""
     state = _state(ckpt_dir, weights_dir, client, keys)
     path, meta = checkpoint.latest(ckpt_dir)
     learner = Learner(demo.build_model(99), TrainerSection(**TRAINER))
@@ -98,27 +99,31 @@ def _after_failure(ckpt_dir, weights_dir, client, keys, log: str, code: int) -> 
     groups = [g for m in checkpoint.audit_chain(ckpt_dir) for g in m.group_ids]
     errors = _error_lines(log)
     assert code == 1 and len(errors) == 1, f"exit {code}, error lines {errors}\n{log[-3000:]}"
-    assert state["corrupt"] == [] and state["bad_versions"] == [] and state["temp_dirs"] == [], state
+    assert state["corrupt"] == [] and state["bad_versions"] == [] and (temp_ok or not state["temp_dirs"]), state
     assert len(groups) == len(set(groups)), "a group is in the model twice"
     return {"exit": code, "error": errors[0].split(": ", 1)[1], "latest_loads": meta.name,
-            "corrupt": len(state["corrupt"]), "partial_left": len(state["temp_dirs"]),
+            "corrupt": len(state["corrupt"]), "temp_dirs_left": len(state["temp_dirs"]),
             "bad_versions": len(state["bad_versions"])}  # fmt: skip
 
 
 def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_path):
     rng = random.Random(11)
     client = connect(redis_url)
-    publish(client, keys.traj, [make_group(rng) for _ in range(60)])
+    groups = [make_group(rng) for _ in range(60)]
+    publish(client, keys.traj, groups[:4])  # two steps, then the trainer waits for data
     config = run_config(tmp_path / "run.toml", keys, small_disk, trainer=TRAINER)
     args = ("--config", str(config), "--redis-url", redis_url)
     ckpt_dir, weights_dir = small_disk / keys.run / "checkpoints", small_disk / keys.run / "weights"
 
-    # 1. the disk fills up after the first checkpoint: the next checkpoint fails mid-write
+    # 1. the disk fills up while the trainer waits after its first checkpoint: with room for
+    #    a policy version but not a checkpoint, the step-4 checkpoint fails mid-write
     procs.start("trainer", "train", *args)
-    wait_for(lambda: checkpoint.latest(ckpt_dir) is not None, timeout=120, what="a checkpoint", logs=procs)
+    wait_for(lambda: checkpoint.latest(ckpt_dir) is not None and unacked(client, keys.traj) == 0,
+             timeout=120, what="the step-2 checkpoint, everything acknowledged", logs=procs)  # fmt: skip
     _fill(small_disk, leave=LEAVE)
+    publish(client, keys.traj, groups[4:])
     code = procs.wait("trainer", 120)
-    full = _after_failure(ckpt_dir, weights_dir, client, keys, procs.log("trainer"), code)
+    full = _after_failure(ckpt_dir, weights_dir, client, keys, procs.log("trainer"), code, temp_ok=False)
     assert "cannot write checkpoint" in full["error"] and "No space left on device" in full["error"]
 
     # 2. space again: the next trainer resumes from that checkpoint; then the disk turns read-only
@@ -132,7 +137,7 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
              what="remounting read-only (busy while a file is open for writing)")  # fmt: skip
     code = procs.wait("trainer", 120)
     log = procs.log("trainer")[mark:]
-    ro = _after_failure(ckpt_dir, weights_dir, client, keys, log, code)
+    ro = _after_failure(ckpt_dir, weights_dir, client, keys, log, code, temp_ok=True)
     report("trainer-disk", disk_full=full, read_only=ro, lost=0, duplicated=0, crashed=0)
     assert f"restored checkpoint {full['latest_loads']}" in log
     assert "Read-only file system" in ro["error"]

@@ -19,6 +19,16 @@ from collections import Counter
 import msgspec
 import pytest
 import torch
+from harness import audit, keep_everything, report, rss_mb, run_config, wait_for
+from payloads import (
+    COMMON,
+    VOCAB,
+    bad_payloads,
+    big_bad_group,
+    usable,
+    valid_group,
+    valid_metrics,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from consumers import checkpoint
@@ -28,9 +38,6 @@ from streamer.bus import FIELD, connect, unacked
 from streamer.config import TrainerSection
 from streamer.keys import METRICS_GROUP
 from streamer.server import free_port
-
-from harness import audit, keep_everything, report, rss_mb, run_config, wait_for
-from payloads import COMMON, VOCAB, bad_payloads, big_bad_group, usable, valid_group, valid_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -14,12 +14,11 @@ import time
 from collections import Counter
 
 import pytest
+from harness import report, run_config, wait_for
 
 from schemas import TrajectoryGroup, decode
 from streamer.bus import FIELD, connect
 from streamer.keys import Keys
-
-from harness import report, run_config, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +49,7 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
         names = [f"w{wave}v{i}" for i in range(victims)]
         for name in names:
             procs.start(name, "produce", "--config", str(config), "--redis-url", redis_url, "--id", name)
-        wait_for(lambda: len(backend.held) - held_before >= victims and _holding(client, keys, names),
+        wait_for(lambda n=held_before + victims, names=names: len(backend.held) >= n and _holding(client, keys, names),
                  timeout=90, what=f"wave {wave}: {victims} producers stuck mid-row", logs=procs)  # fmt: skip
         for name in rng.sample(names, len(names)):
             owned = _leases_of(client, keys, name)

@@ -16,14 +16,20 @@ import time
 
 import pytest
 import redis
+from harness import (
+    audit,
+    keep_everything,
+    policy_version_list,
+    report,
+    run_config,
+    wait_for,
+)
 
 from consumers import checkpoint
 from streamer.bus import connect
 from streamer.config import TrainerSection
 from streamer.keys import Keys
 from streamer.server import EmbeddedServer, free_port
-
-from harness import audit, keep_everything, policy_version_list, report, run_config, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +71,14 @@ def _start_pipeline(procs, url: str, config, port: int) -> None:
     procs.start("eval", "eval", *common)
 
 
+def _evaluated(client, keys) -> bool:
+    """The evaluator is past its start: it published the score of a version."""
+    from schemas import MetricsEvent, decode
+    from streamer.bus import FIELD
+
+    return any(decode(f[FIELD], MetricsEvent).axis == "eval" for _, f in client.xrange(keys.metrics))
+
+
 def _client_names(client) -> set[str]:
     try:
         return {c.get("name") for c in client.client_list()}
@@ -86,8 +100,9 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
         eval={"eval_every": 2},
     )  # fmt: skip
     _start_pipeline(procs, url, config, free_port())
-    wait_for(lambda: client.xlen(keys.policy) >= 4 and set(NAMES.values()) <= _client_names(client),
-             timeout=120, what="3 trainer steps and every process connected", logs=procs)  # fmt: skip
+    wait_for(lambda: client.xlen(keys.policy) >= 4 and client.xlen(keys.metrics) and _evaluated(client, keys)
+             and set(NAMES.values()) <= _client_names(client),
+             timeout=120, what="3 trainer steps, an evaluation, every process connected", logs=procs)  # fmt: skip
     writer = AckedWriter(url, f"{keys.prefix}:acktest")
     writer.start()
     wait_for(lambda: len(writer.acked) >= 20, timeout=10, what="acknowledged writes")

@@ -12,13 +12,19 @@ import random
 import time
 
 import pytest
+from harness import (
+    audit,
+    keep_everything,
+    policy_version_list,
+    report,
+    run_config,
+    wait_for,
+)
 
 from consumers import checkpoint
 from streamer.bus import connect
 from streamer.config import TrainerSection
 from streamer.keys import Keys
-
-from harness import audit, keep_everything, policy_version_list, report, run_config, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +46,7 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
         before = client.xlen(keys.policy)
         trainer = procs.start("trainer", "train", "--config", str(config), "--redis-url", url)
         target = before + 1 + rng.randint(1, 3)  # its first version (the restored weights), then 1-3 steps
-        wait_for(lambda: client.xlen(keys.policy) >= target or trainer.poll() is not None,
+        wait_for(lambda t=target, p=trainer: client.xlen(keys.policy) >= t or p.poll() is not None,
                  timeout=120, what=f"kill {kill}: {target} policy versions", logs=procs)  # fmt: skip
         assert trainer.poll() is None, f"the trainer exited before kill {kill}\n{procs.tails()}"
         time.sleep(rng.uniform(0.0, 0.3))  # a random point of the step / version / checkpoint cycle

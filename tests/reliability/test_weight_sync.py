@@ -12,6 +12,7 @@ import logging
 import os
 
 import torch
+from harness import report
 
 from consumers.evaluator import Evaluator
 from producers.components import build, load_task, local_sampler
@@ -20,8 +21,6 @@ from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from streamer import demo, models, weights
 from streamer.bus import FIELD
 from streamer.config import RunConfig, replace
-
-from harness import report
 
 
 def _cfg(keys, redis_url, tmp_path) -> RunConfig:
