@@ -333,8 +333,11 @@ def trim_acked(client: redis.Redis, stream: str) -> int:
         return 0
     cuts = []
     for g in groups:
-        if int(g["pending"]) > 0:
-            cuts.append(_parse_id(_s(client.xpending(stream, _s(g["name"]))["min"])))
+        # the pending list may empty between XINFO and XPENDING (a consumer acknowledging):
+        # then nothing up to the last-delivered id XINFO saw is pending any more
+        oldest = client.xpending(stream, _s(g["name"]))["min"] if int(g["pending"]) > 0 else None
+        if oldest is not None:
+            cuts.append(_parse_id(_s(oldest)))
         else:
             ms, seq = _parse_id(_s(g["last-delivered-id"]))
             cuts.append((ms, seq + 1))
