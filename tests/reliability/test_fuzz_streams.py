@@ -187,3 +187,27 @@ def _weights(path) -> list[torch.Tensor]:
     from safetensors.torch import load_file
 
     return list(load_file(path / "model" / "model.safetensors").values())
+
+
+def test_trim_while_a_consumer_acknowledges(client, keys):
+    """Found by the fuzz: the trainer's trim after a checkpoint raced its feed thread
+    dead-lettering (acknowledging) entries; the pending list emptied between XINFO GROUPS
+    and XPENDING and trim_acked crashed the trainer. The acknowledgement is injected at
+    exactly that moment here, against the real server."""
+    from streamer.bus import trim_acked
+
+    ids = [client.xadd(keys.traj, {FIELD: b"x"}).decode() for _ in range(4)]
+    client.xgroup_create(keys.traj, "trainer", id="0")
+    client.xreadgroup("trainer", "t", {keys.traj: ">"}, count=4)
+
+    class AcksInBetween:
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def xinfo_groups(self, stream):
+            groups = client.xinfo_groups(stream)  # says 4 pending
+            client.xack(stream, "trainer", *ids)  # ... and now none are
+            return groups
+
+    assert trim_acked(AcksInBetween(), keys.traj) == 4
+    assert client.xlen(keys.traj) == 0

@@ -2,8 +2,9 @@
 process: the persisted model holds every accepted group exactly once and nothing is lost.
 
 tests/test_checkpoint.py does this with a synthetic publisher and 4 kills; here the groups
-come from `streamer produce` (demo model, local sampler, following every policy version),
-so rejections, backpressure and weight loads all happen for real while the trainer dies.
+come from a `streamer produce` process (sampling from a fake inference server, following
+and checking every policy version), so rejections, backpressure and weight syncs all
+happen for real while the trainer dies.
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow
 
-KILLS, STEPS = 5, 14
+KILLS, STEPS = 5, 24
 TRAINER = {"groups_per_step": 2, "steps": STEPS, "checkpoint_every": 2, "max_staleness": 1000}
 
 
-def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, procs, tmp_path):
+def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, procs, inference, tmp_path):
     rng = random.Random(20261207)
     url, keys = private_valkey.url, Keys("tkill")
     client = connect(url)
     keep_everything(client, keys)
-    config = run_config(tmp_path / "run.toml", keys, tmp_path / "data",
-                        bus={"max_unacked": 32}, trainer=TRAINER)  # fmt: skip
+    server, _ = inference
+    server.latency = 0.03  # paces the producer (~70 ms a step): kills land within steps, not after the run
+    config = run_config(tmp_path / "run.toml", keys, tmp_path / "data", bus={"max_unacked": 32},
+                        trainer=TRAINER, producer={"sampler": "remote", "remote_url": server.url})  # fmt: skip
     ckpt_dir = tmp_path / "data" / keys.run / "checkpoints"
     procs.start("producer", "produce", "--config", str(config), "--redis-url", url, "--id", "p0")
     redone = 0
@@ -49,7 +52,7 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
         wait_for(lambda t=target, p=trainer: client.xlen(keys.policy) >= t or p.poll() is not None,
                  timeout=120, what=f"kill {kill}: {target} policy versions", logs=procs)  # fmt: skip
         assert trainer.poll() is None, f"the trainer exited before kill {kill}\n{procs.tails()}"
-        time.sleep(rng.uniform(0.0, 0.3))  # a random point of the step / version / checkpoint cycle
+        time.sleep(rng.uniform(0.0, 0.1))  # a random point of the step / version / checkpoint cycle
         trainer.kill()
         trainer.wait(30)
         chain = checkpoint.audit_chain(ckpt_dir)
