@@ -227,7 +227,15 @@ class Consumer(Generic[T]):
                 raise
 
     def read(self, count: int | None = None, block: float | None = None) -> list[Delivery[T]]:
-        count = count or self.cfg.read_count
+        try:
+            return self._read(count or self.cfg.read_count, block)
+        except TRANSIENT:
+            # the server may have delivered entries whose reply was lost (a timeout, a dropped
+            # connection): they sit in our pending list unseen, so read that again first
+            self._pending_cursor = "0"
+            raise
+
+    def _read(self, count: int, block: float | None) -> list[Delivery[T]]:
         if self._pending_cursor is not None:
             entries = self._read_history(count)
             if entries:
