@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import threading
@@ -216,3 +217,37 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
         if len(delays[name]) >= 2:
             assert max(delays[name]) > min(delays[name]), f"{name}: retry delays do not grow: {delays[name]}"
     assert not result.lost and not result.duplicated
+
+
+def test_entries_delivered_in_a_lost_reply_are_read_again(client, keys):
+    """Found by the 20 s test: a read that times out while the server is stopped is still
+    executed when it resumes; its entries land in the consumer's pending list and the reply
+    is lost. Unseen, the trainer would train past them and its next restart would acknowledge
+    them as covered by the high-water id: lost. The reply loss is injected here exactly."""
+    from schemas import TrajectoryGroup, encode
+    from streamer.bus import Consumer
+    from streamer.config import BusSection
+    from trainer_data import make_group
+
+    groups = [make_group(random.Random(i)) for i in range(3)]
+    ids = [client.xadd(keys.traj, {"d": encode(g)}).decode() for g in groups]
+
+    class LosesOneReply:
+        lost = False
+
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def xreadgroup(self, *args, **kwargs):
+            reply = client.xreadgroup(*args, **kwargs)  # executed by the server ...
+            if not self.lost and args[2] == {keys.traj: ">"}:
+                self.lost = True
+                raise redis.exceptions.TimeoutError("Timeout reading from socket")  # ... reply lost
+            return reply
+
+    consumer = Consumer(LosesOneReply(), keys, keys.traj, "trainer", "trainer-0", as_type=TrajectoryGroup,
+                        cfg=BusSection(block_seconds=0.1, socket_timeout=1.0))  # fmt: skip
+    with pytest.raises(redis.exceptions.TimeoutError):
+        consumer.read(count=2)  # delivers ids[0:2], reply lost
+    got = [d.id for d in consumer.read(count=10)] + [d.id for d in consumer.read(count=10)]
+    assert got == ids, "the entries of the lost reply were skipped"
