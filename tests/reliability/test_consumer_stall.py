@@ -64,6 +64,7 @@ def _stall(trainer, client, keys, procs, *, standby: bool, attempts: int = 20) -
 
 def test_trainer_stalled_past_claim_idle_trains_its_entries_once(redis_url, keys, procs, inference, tmp_path):
     server, _ = inference
+    server.latency = 0.05  # paces the producer: both stalls fall inside the run
     client = connect(redis_url)
     keep_everything(client, keys)
     config = run_config(tmp_path / "run.toml", keys, tmp_path / "data", bus=BUS, trainer=TRAINER,

@@ -65,13 +65,12 @@ class AckedWriter(threading.Thread):
         return sum(i not in present for i in self.acked)
 
 
-def _start_pipeline(procs, url: str, config, port: int, *, evaluator: bool = True) -> None:
+def _start_pipeline(procs, url: str, config, port: int) -> None:
+    """Exporter, trainer and one producer (the evaluator is started on its own)."""
     common = ("--config", str(config), "--redis-url", url)
     procs.start("metrics", "metrics", *common, "--port", str(port))
     procs.start("trainer", "train", *common)
     procs.start("producer", "produce", *common, "--id", "p0")
-    if evaluator:
-        procs.start("eval", "eval", *common)
 
 
 def _evaluated(client, keys) -> bool:
@@ -102,13 +101,15 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
         producer={"sampler": "remote", "remote_url": server.url, "max_groups": groups},
         eval={"eval_every": 2},
     )  # fmt: skip
-    _start_pipeline(procs, url, config, free_port())
-    wait_for(lambda: client.xlen(keys.policy) >= 4 and client.xlen(keys.metrics) and _evaluated(client, keys)
-             and set(NAMES.values()) <= _client_names(client),
-             timeout=120, what="3 trainer steps, an evaluation, every process connected", logs=procs)  # fmt: skip
+    server.latency = 0.05  # paces the producer: the restart falls inside the run
     writer = AckedWriter(url, f"{keys.prefix}:acktest")
     writer.start()
-    wait_for(lambda: len(writer.acked) >= 20, timeout=10, what="acknowledged writes")
+    # the evaluator first (it loads a model, then scores version 0); then the rest
+    procs.start("eval", "eval", "--config", str(config), "--redis-url", url)
+    wait_for(lambda: _evaluated(client, keys), timeout=120, what="the evaluator's first score", logs=procs)
+    _start_pipeline(procs, url, config, free_port())
+    wait_for(lambda: client.xlen(keys.policy) >= 4 and set(NAMES.values()) <= _client_names(client),
+             timeout=120, what="3 trainer steps and every process connected", logs=procs)  # fmt: skip
     before = {"policy": client.xlen(keys.policy), "traj": client.xlen(keys.traj)}
     assert before["traj"] < groups, "the producer finished before the restart: nothing to test"
     private_valkey.kill()
@@ -171,7 +172,8 @@ def test_appendfsync_everysec_loss_is_counted(tmp_path):
 
 def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp_path):
     server, _ = inference
-    url, keys, steps = private_valkey.url, Keys("sigstop"), 8
+    server.latency = 0.05  # paces the producer: the outage falls inside the run
+    url, keys, steps = private_valkey.url, Keys("sigstop"), 12
     client = connect(url)
     keep_everything(client, keys)
     config = run_config(
@@ -181,7 +183,7 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
         producer={"sampler": "remote", "remote_url": server.url},
         eval={"eval_every": 2},
     )  # fmt: skip
-    _start_pipeline(procs, url, config, free_port(), evaluator=False)  # the restart test has it
+    _start_pipeline(procs, url, config, free_port())  # the evaluator's outages: the restart test
     names = {r: n for r, n in NAMES.items() if r != "eval"}
     wait_for(lambda: client.xlen(keys.policy) >= 3 and set(names.values()) <= _client_names(client),
              timeout=120, what="2 trainer steps and every process connected", logs=procs)  # fmt: skip
@@ -204,8 +206,10 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
     warnings = {n: len(re.findall(r" WARNING .*(unavailable|failed|retrying)", t)) for n, t in outage_logs.items()}
     delays = {n: [float(d) for d in re.findall(r"retrying in ([\d.]+)s", t)] for n, t in outage_logs.items()}
     result = audit(client, keys, tmp_path / "data" / keys.run / "checkpoints", TrainerSection(**TRAINER))
+    versions = policy_version_list(client, keys)
     report(
         "server-sigstop-20s", outage_seconds=20, alive_during_outage=sum(alive.values()),
+        repeated_versions=len(versions) - len(set(versions)),
         warnings=warnings, continued_after_seconds=continued_after, **result.figures,
         crashed=sum(c != 0 for c in exits.values()) + (not all(alive.values())),
     )  # fmt: skip
