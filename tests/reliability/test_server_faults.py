@@ -228,10 +228,11 @@ def test_entries_delivered_in_a_lost_reply_are_read_again(client, keys):
     executed when it resumes; its entries land in the consumer's pending list and the reply
     is lost. Unseen, the trainer would train past them and its next restart would acknowledge
     them as covered by the high-water id: lost. The reply loss is injected here exactly."""
+    from trainer_data import make_group
+
     from schemas import TrajectoryGroup, encode
     from streamer.bus import Consumer
     from streamer.config import BusSection
-    from trainer_data import make_group
 
     groups = [make_group(random.Random(i)) for i in range(3)]
     ids = [client.xadd(keys.traj, {"d": encode(g)}).decode() for g in groups]
