@@ -255,4 +255,6 @@ def test_entries_delivered_in_a_lost_reply_are_read_again(client, keys):
     with pytest.raises(redis.exceptions.TimeoutError):
         consumer.read(count=2)  # delivers ids[0:2], reply lost
     got = [d.id for d in consumer.read(count=10)] + [d.id for d in consumer.read(count=10)]
+    report("lost-reply", delivered_in_lost_reply=2, read_again=len(set(got) & set(ids[:2])),
+           skipped=len(set(ids) - set(got)))  # fmt: skip
     assert got == ids, "the entries of the lost reply were skipped"
