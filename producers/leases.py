@@ -14,8 +14,9 @@ lease was swept cannot publish a row that someone else now holds:
 - :meth:`Leases.finish` drops the lease without publishing (the group was dropped);
 - :meth:`Leases.hand_back` requeues the ticket at the front (shutdown, sampler failure).
 
-Admission slots are tied to leases as well: :meth:`Leases.hold_slot` records that a
-ticket holds a slot (``keys.lease_slots``), and whoever ends a lease without
+Admission slots are tied to leases as well: the producer's admission
+(``Admission.try_admit(ticket, owner)``, or :meth:`Leases.hold_slot` for a slot taken
+separately) records that a ticket holds a slot (``keys.lease_slots``), and whoever ends a lease without
 publishing (hand back, finish, or the sweep of a dead producer's lease) gives the slot
 back, so a crashed producer cannot leak admission capacity.
 """

@@ -31,7 +31,7 @@ from producers.rewards import score
 from producers.samplers import SamplerError
 from producers.stats import Pending, Timings, group_values
 from schemas import MetricsEvent, Sample, TrajectoryGroup, encode
-from streamer.admission import Admission
+from streamer.admission import Admission, LeaseLost
 from streamer.bus import Publisher, connect, retrying, unacked
 from streamer.config import RunConfig
 from streamer.keys import Keys
@@ -115,13 +115,14 @@ class Producer:
     def _work(self, ticket: int) -> str:
         pos = self.order.position(ticket)
         row = self.task.rows[pos.row]
-        admission_wait = self.admission.wait(self.stop.is_set)
+        try:  # the slot is the lease's (atomically: a retried admission takes no second one)
+            admission_wait = self.admission.wait(self.stop.is_set, ticket=ticket, owner=self.id)
+        except LeaseLost:
+            log.warning("lease on ticket %d expired while waiting for admission", ticket)
+            return "lost"
         if admission_wait is None:
             self.leases.hand_back(ticket)
             return "stopped"
-        if not self.leases.hold_slot(ticket):
-            log.warning("lease on ticket %d expired while waiting for admission", ticket)
-            return "lost"
         self._follow_weights()
         created, start = time.time(), time.monotonic()
         try:
