@@ -258,3 +258,42 @@ def test_entries_delivered_in_a_lost_reply_are_read_again(client, keys):
     report("lost-reply", delivered_in_lost_reply=2, read_again=len(set(got) & set(ids[:2])),
            skipped=len(set(ids) - set(got)))  # fmt: skip
     assert got == ids, "the entries of the lost reply were skipped"
+
+
+def test_an_admission_whose_reply_was_lost_takes_one_slot(client, keys, tmp_path):
+    """Found by pausing the server under a fast producer: the admission script timed out,
+    the server ran it when it resumed (and redis-py's retry ran it again), and a slot was
+    taken that no lease held: leaked for good (enough leaks and admission stops). The
+    reply loss is injected exactly here, against the real server."""
+    from producers.components import build
+    from producers.producer import Producer
+    from streamer.config import RunConfig, replace
+
+    class LosesOneScriptReply:
+        lost = False
+
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def register_script(self, script):
+            return redis.commands.core.Script(self, script)
+
+        def evalsha(self, sha, numkeys, *keys_and_args):
+            reply = client.evalsha(sha, numkeys, *keys_and_args)  # executed by the server ...
+            if not self.lost and keys_and_args[0] == keys.admitted:  # the admission script
+                self.lost = True
+                raise redis.exceptions.TimeoutError("Timeout reading from socket")  # ... reply lost
+            return reply
+
+    cfg = replace(RunConfig(), run={"name": keys.run, "redis_url": "redis://unused", "data_dir": str(tmp_path)},
+                  producer={"group_size": 2, "max_new_tokens": 2, "torch_threads": 1, "max_groups": 3},
+                  trainer={"groups_per_step": 1000})  # fmt: skip
+    task, sampler = build(cfg)
+    lossy = LosesOneScriptReply()
+    producer = Producer(cfg, client=lossy, producer_id="p", task=task, sampler=sampler)
+    assert producer.run() == 0
+    published, admitted = client.xlen(keys.traj), int(client.get(keys.admitted))
+    report("lost-admission-reply", replies_lost=int(lossy.lost), published=published, admitted=admitted,
+           leaked_slots=admitted - published - client.scard(keys.lease_slots))  # fmt: skip
+    assert lossy.lost and published == 3
+    assert admitted == published + client.scard(keys.lease_slots), "an admission slot leaked"
