@@ -97,15 +97,7 @@ def spawn(role: str, config: Path, log: Path, *extra: str, threads: int, log_lev
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    C.stop_processes(procs)
 
 
 def cleanup(procs: list[subprocess.Popen], client, keys: Keys) -> None:

@@ -9,6 +9,8 @@ favour whichever runs first.
 from __future__ import annotations
 
 import argparse
+import signal
+import subprocess
 import contextlib
 import statistics
 import sys
@@ -226,3 +228,16 @@ def _fmt(c: object) -> str:
             return f"{c:,.0f}"
         return f"{c:.3g}" if abs(c) < 10 else f"{c:.1f}"
     return str(c)
+
+
+def stop_processes(procs, grace: float = 20.0) -> None:
+    """SIGTERM every process still running, then wait; kill those not gone within ``grace``."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -162,14 +162,7 @@ def spawn(config: Path, producer_id: str, args) -> subprocess.Popen:
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    C.stop_processes(procs)
 
 
 # ---------------------------------------------------------------- observing the loads
