@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,14 +40,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
+import common as C
 
-from producers.fake_server import FakeCompletionsServer  # noqa: E402
-from producers.samplers import Completion  # noqa: E402
-from schemas import MetricsEvent, decode  # noqa: E402
-from streamer import demo  # noqa: E402
-from streamer.bus import FIELD, connect  # noqa: E402
-from streamer.keys import Keys  # noqa: E402
+from producers.fake_server import FakeCompletionsServer
+from producers.samplers import Completion
+from schemas import MetricsEvent, decode
+from streamer import demo
+from streamer.bus import FIELD, connect
+from streamer.keys import Keys
 
 SIDES = {"sync": 0, "async": 2}  # side name -> trainer.max_staleness
 AREAL = 2.77
@@ -73,8 +72,9 @@ def demo_backend(*, logprob: float = -2.3):
     return backend
 
 
-def write_config(path: Path, *, run: str, redis_url: str, sampler_url: str, staleness: int,
-                 args: argparse.Namespace) -> Path:  # fmt: skip
+def write_config(
+    path: Path, *, run: str, redis_url: str, sampler_url: str, staleness: int, args: argparse.Namespace
+) -> Path:
     """The demo's run config with the remote sampler and ``staleness``."""
     path.write_text(
         f'[run]\nname = "{run}"\nredis_url = "{redis_url}"\ndata_dir = "{path.parent}"\n'
@@ -84,7 +84,7 @@ def write_config(path: Path, *, run: str, redis_url: str, sampler_url: str, stal
         f'[producer]\nsampler = "remote"\nremote_url = "{sampler_url}"\n'
         f'group_size = {args.group_size}\nmax_new_tokens = 2\nreward = "streamer.demo:reward"\n'
         "shutdown_grace = 5.0\n"
-    )  # fmt: skip
+    )
     return path
 
 
@@ -106,21 +106,30 @@ def cleanup(procs: list[subprocess.Popen], client, keys: Keys) -> None:
     client.close()
 
 
-def run_side(staleness: int, *, url: str, sampler_url: str, workdir: Path, args,
-             cleanups: list[threading.Thread]) -> dict:  # fmt: skip
+def run_side(
+    staleness: int, *, url: str, sampler_url: str, workdir: Path, args, cleanups: list[threading.Thread]
+) -> dict:
     """One run of the whole system at ``staleness``; the trainer's metrics of its steps.
 
     Once the trainer is done, the producers are stopped and the run's keys deleted in a
     thread (appended to ``cleanups``), overlapping the next run's start-up, which is not
     measured."""
     keys, started = C.fresh_keys("async"), time.time()
-    config = write_config(workdir / f"{keys.run}.toml", run=keys.run, redis_url=url,
-                          sampler_url=sampler_url, staleness=staleness, args=args)  # fmt: skip
+    config = write_config(
+        workdir / f"{keys.run}.toml",
+        run=keys.run,
+        redis_url=url,
+        sampler_url=sampler_url,
+        staleness=staleness,
+        args=args,
+    )
     log = workdir / f"{keys.run}.log"
     client = connect(url)
     procs = [spawn("train", config, log, threads=args.trainer_threads, log_level=args.log_level)]
-    procs += [spawn("produce", config, log, "--id", f"p{i}", threads=1,
-                   log_level=args.log_level) for i in range(args.producers)]
+    procs += [
+        spawn("produce", config, log, "--id", f"p{i}", threads=1, log_level=args.log_level)
+        for i in range(args.producers)
+    ]
     try:
         try:
             procs[0].wait(timeout=args.timeout)
@@ -133,7 +142,9 @@ def run_side(staleness: int, *, url: str, sampler_url: str, workdir: Path, args,
         cleanups.append(threading.Thread(target=cleanup, args=(procs, client, keys)))
         cleanups[-1].start()
     train = [e for e in events if e.axis == "train"]
-    sampled = [e.values["sample_seconds"] for e in events if e.axis == "rollout" and "sample_seconds" in e.values]
+    sampled = [
+        e.values["sample_seconds"] for e in events if e.axis == "rollout" and "sample_seconds" in e.values
+    ]
     return {
         **summarize(train, warmup=args.warmup),
         "sampling_s": C.median(sampled) * args.groups_per_step / args.producers,
@@ -156,8 +167,9 @@ def summarize(train: list[MetricsEvent], *, warmup: int) -> dict:
         "train_s": pick("step_seconds"),
         "wait_s": pick("data_wait_seconds"),
         "staleness": sum(e.values["staleness_mean"] for e in measured) / len(measured),
-        "rejected": sum(e.values.get(f"groups_rejected_{r}", 0.0)
-                        for e in measured for r in ("stale", "zero_variance")),
+        "rejected": sum(
+            e.values.get(f"groups_rejected_{r}", 0.0) for e in measured for r in ("stale", "zero_variance")
+        ),
     }
 
 
@@ -168,16 +180,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--producers", type=int, default=4, help="producer processes")
     ap.add_argument("--latency", type=float, default=0.03, help="seconds per sampling request (one group)")
     ap.add_argument("--steps", type=int, default=12, help="measured trainer steps per run")
-    ap.add_argument("--warmup", type=int, default=3,
-                    help="trainer steps not measured (>= max_staleness + 1: the backlog producers "
-                         "sample before the trainer is up is used up)")  # fmt: skip
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="trainer steps not measured (>= max_staleness + 1: the backlog producers "
+        "sample before the trainer is up is used up)",
+    )
     ap.add_argument("--groups-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=16)
-    ap.add_argument("--trainer-threads", type=int, default=max(1, (os.cpu_count() or 1) // 2),
-                    help="torch threads of the trainer (default: half the cores, at least 1)")
+    ap.add_argument(
+        "--trainer-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 1) // 2),
+        help="torch threads of the trainer (default: half the cores, at least 1)",
+    )
     ap.add_argument("--timeout", type=float, default=90.0, help="seconds a run may take")
-    ap.add_argument("--log-level", default="WARNING", help="of the trainer and producers (their log "
-                    "goes to a file in the temporary directory, printed when a run fails)")
+    ap.add_argument(
+        "--log-level",
+        default="WARNING",
+        help="of the trainer and producers (their log "
+        "goes to a file in the temporary directory, printed when a run fails)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     args = ap.parse_args(argv)
     if args.quick:
@@ -192,36 +216,76 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     results: dict[str, list[dict]] = {side: [] for side in SIDES}
     cleanups: list[threading.Thread] = []
-    with tempfile.TemporaryDirectory(prefix="streamer-async-") as tmp, C.server_url(args) as url, \
-            FakeCompletionsServer(demo_backend(), latency=args.latency) as sampler:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="streamer-async-") as tmp,
+        C.server_url(args) as url,
+        FakeCompletionsServer(demo_backend(), latency=args.latency) as sampler,
+    ):
         for r in range(args.repeats):
             for side in C.alternate(list(SIDES), r):
                 t0 = time.monotonic()
-                res = run_side(SIDES[side], url=url, sampler_url=sampler.url, workdir=Path(tmp), args=args,
-                               cleanups=cleanups)  # fmt: skip
+                res = run_side(
+                    SIDES[side],
+                    url=url,
+                    sampler_url=sampler.url,
+                    workdir=Path(tmp),
+                    args=args,
+                    cleanups=cleanups,
+                )
                 results[side].append(res)
-                print(f"  repeat {r + 1} {side:>5}: {res['rate']:.2f} groups/s (run "
-                      f"{time.monotonic() - t0:.0f} s, first step {res['first_step']:.0f} s after start)",
-                      flush=True)  # fmt: skip
+                print(
+                    f"  repeat {r + 1} {side:>5}: {res['rate']:.2f} groups/s (run "
+                    f"{time.monotonic() - t0:.0f} s, first step {res['first_step']:.0f} s after start)",
+                    flush=True,
+                )
         for t in cleanups:
             t.join()
     sampling = args.groups_per_step / args.producers * args.latency
-    print(f"demo model, {args.producers} producers, sampler latency {args.latency * 1000:.0f} ms/group "
-          f"(a step's {args.groups_per_step} groups x G={args.group_size}: ~{sampling:.2f} s of sampling), "
-          f"{args.steps} steps after {args.warmup} warm-up, median of {args.repeats} repeats")  # fmt: skip
+    print(
+        f"demo model, {args.producers} producers, sampler latency {args.latency * 1000:.0f} ms/group "
+        f"(a step's {args.groups_per_step} groups x G={args.group_size}: ~{sampling:.2f} s of sampling), "
+        f"{args.steps} steps after {args.warmup} warm-up, median of {args.repeats} repeats"
+    )
     rows = []
     for side, staleness in SIDES.items():
         med = {k: C.median([r[k] for r in results[side]]) for k in results[side][0]}
-        rows.append([side, staleness, med["rate"], med["step_s"], med["train_s"], med["sampling_s"],
-                     med["wait_s"], med["staleness"], med["rejected"]])  # fmt: skip
-    C.print_table(["side", "max_staleness", "groups/s", "s/step", "train s", "sampling s",
-                   "data wait s", "mean lag", "rejected"], rows)  # fmt: skip
-    print("s/step: wall time per step; train s: the optimizer step (learner.train_step); sampling s: "
-          "a step's groups / producers x the median time a producer's sample request took")
+        rows.append(
+            [
+                side,
+                staleness,
+                med["rate"],
+                med["step_s"],
+                med["train_s"],
+                med["sampling_s"],
+                med["wait_s"],
+                med["staleness"],
+                med["rejected"],
+            ]
+        )
+    C.print_table(
+        [
+            "side",
+            "max_staleness",
+            "groups/s",
+            "s/step",
+            "train s",
+            "sampling s",
+            "data wait s",
+            "mean lag",
+            "rejected",
+        ],
+        rows,
+    )
+    print(
+        "s/step: wall time per step; train s: the optimizer step (learner.train_step); sampling s: "
+        "a step's groups / producers x the median time a producer's sample request took"
+    )
     per_repeat = [a["rate"] / s["rate"] for a, s in zip(results["async"], results["sync"])]
     ratio = C.median([r["rate"] for r in results["async"]]) / C.median([r["rate"] for r in results["sync"]])
-    print(f"per-repeat ratios {', '.join(f'{x:.2f}' for x in per_repeat)}; "
-          f"bench took {time.monotonic() - began:.0f} s")  # fmt: skip
+    print(
+        f"per-repeat ratios {', '.join(f'{x:.2f}' for x in per_repeat)}; "
+        f"bench took {time.monotonic() - began:.0f} s"
+    )
     C.print_ratios({"async_vs_sync": ratio}, goals={"async_vs_sync": f"AReaL: {AREAL}x at cluster scale"})
     return 0
 

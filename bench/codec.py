@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
+import common as C
 
-from schemas import TrajectoryGroup, decode, encode  # noqa: E402
+from schemas import TrajectoryGroup, decode, encode
 
 try:
     import orjson
@@ -70,8 +70,16 @@ def packed_tensor_ready(group: dict) -> tuple[np.ndarray, np.ndarray]:
 class Format:
     """How one format turns a group into bytes, bytes into an object, an object into arrays."""
 
-    def __init__(self, name: str, prepare: Callable, enc: Callable, dec: Callable, arrays: Callable,
-                 *, slow: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        prepare: Callable,
+        enc: Callable,
+        dec: Callable,
+        arrays: Callable,
+        *,
+        slow: bool = False,
+    ):
         self.name, self.prepare, self.enc, self.dec, self.arrays = name, prepare, enc, dec, arrays
         self.slow = slow  # measured on a share of the groups (--slow-share) to bound the run
 
@@ -79,11 +87,22 @@ class Format:
 FORMATS = [
     Format("msgspec", lambda g: g, encode, lambda b: decode(b, TrajectoryGroup), C.tensor_ready),
     Format(JSON_NAME, C.as_plain_dict, json_dumps, json_loads, C.plain_tensor_ready, slow=True),
-    Format("pickle (lists)", C.as_plain_dict, lambda d: pickle.dumps(d, pickle.HIGHEST_PROTOCOL),
-           pickle.loads, C.plain_tensor_ready, slow=True),
-    Format("pickle (packed)", packed_dict, lambda d: pickle.dumps(d, pickle.HIGHEST_PROTOCOL),
-           pickle.loads, packed_tensor_ready),
-]  # fmt: skip
+    Format(
+        "pickle (lists)",
+        C.as_plain_dict,
+        lambda d: pickle.dumps(d, pickle.HIGHEST_PROTOCOL),
+        pickle.loads,
+        C.plain_tensor_ready,
+        slow=True,
+    ),
+    Format(
+        "pickle (packed)",
+        packed_dict,
+        lambda d: pickle.dumps(d, pickle.HIGHEST_PROTOCOL),
+        pickle.loads,
+        packed_tensor_ready,
+    ),
+]
 
 
 def measure(fmt: Format, objs: list, *, chunk: int = 64) -> tuple[float, float, float, int]:
@@ -124,8 +143,18 @@ def bench_size(args, tokens: int) -> tuple[list, dict[str, float]]:
         size = runs[f.name][0][3]
         enc_dec[f.name] = (enc + dec) / len(objs[f.name])  # seconds per group
         t = total[f.name]
-        rows.append([tokens, f.name, len(objs[f.name]), size / 1000, C.mb(t / enc), C.mb(t / dec),
-                     C.mb(t / (enc + dec)), C.mb(t / (enc + dec + arr))])  # fmt: skip
+        rows.append(
+            [
+                tokens,
+                f.name,
+                len(objs[f.name]),
+                size / 1000,
+                C.mb(t / enc),
+                C.mb(t / dec),
+                C.mb(t / (enc + dec)),
+                C.mb(t / (enc + dec + arr)),
+            ]
+        )
     return rows, enc_dec
 
 
@@ -134,8 +163,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes", default="512,4096", help="tokens per sample, comma separated")
     ap.add_argument("--group-size", type=int, default=8, help="samples per group (G)")
     ap.add_argument("--mb", type=float, default=40.0, help="msgspec payload MB per repeat")
-    ap.add_argument("--slow-share", type=float, default=0.1,
-                    help="share of the groups the slow formats (json, pickle of lists) process")
+    ap.add_argument(
+        "--slow-share",
+        type=float,
+        default=0.1,
+        help="share of the groups the slow formats (json, pickle of lists) process",
+    )
     ap.add_argument("--repeats", type=int, default=5, help="repeats; medians reported")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     args = ap.parse_args(argv)
@@ -148,16 +181,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     began, rows, ratios = time.monotonic(), [], {}
-    print(f"G={args.group_size}, {args.repeats} repeats (medians), ~{args.mb:g} MB of msgspec "
-          f"payload per repeat; MB/s of the msgspec payload size")  # fmt: skip
+    print(
+        f"G={args.group_size}, {args.repeats} repeats (medians), ~{args.mb:g} MB of msgspec "
+        f"payload per repeat; MB/s of the msgspec payload size"
+    )
     for tokens in args.sizes:
         r, enc_dec = bench_size(args, tokens)
         rows += r
-        for name, key in ((JSON_NAME, "json"), ("pickle (lists)", "pickle_lists"),
-                          ("pickle (packed)", "pickle_packed")):  # fmt: skip
+        for name, key in (
+            (JSON_NAME, "json"),
+            ("pickle (lists)", "pickle_lists"),
+            ("pickle (packed)", "pickle_packed"),
+        ):
             ratios[f"msgspec_vs_{key}_{tokens}"] = enc_dec[name] / enc_dec["msgspec"]
-    C.print_table(["tokens", "format", "groups", "KB/group", "encode MB/s", "decode MB/s",
-                   "enc+dec MB/s", "+arrays MB/s"], rows)  # fmt: skip
+    C.print_table(
+        [
+            "tokens",
+            "format",
+            "groups",
+            "KB/group",
+            "encode MB/s",
+            "decode MB/s",
+            "enc+dec MB/s",
+            "+arrays MB/s",
+        ],
+        rows,
+    )
     print(f"took {time.monotonic() - began:.0f} s; ratios are encode+decode speed, msgspec / other")
     C.print_ratios(ratios)
     return 0

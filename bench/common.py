@@ -9,10 +9,10 @@ favour whichever runs first.
 from __future__ import annotations
 
 import argparse
-import signal
-import subprocess
 import contextlib
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +41,11 @@ PROMPT_FRACTION = 0.25  # share of each sample's tokens that are prompt (no log-
 def add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--redis-url", help="use this server instead of a private embedded one")
     ap.add_argument("--repeats", type=int, default=5, help="repeats per side; medians reported")
-    ap.add_argument("--no-aof", action="store_true",
-                    help="embedded server without its append-only file (default: AOF everysec, "
-                         "as `streamer up` runs it)")  # fmt: skip
+    ap.add_argument(
+        "--no-aof",
+        action="store_true",
+        help="embedded server without its append-only file (default: AOF everysec, as `streamer up` runs it)",
+    )
 
 
 @contextlib.contextmanager
@@ -53,9 +55,11 @@ def server_url(args: argparse.Namespace) -> Iterator[str]:
         yield args.redis_url
         return
     extra = ("--appendonly", "no") if getattr(args, "no_aof", False) else ()
-    with tempfile.TemporaryDirectory(prefix="streamer-bench-") as tmp:
-        with EmbeddedServer(Path(tmp) / "valkey", extra_args=extra) as server:
-            yield server.url
+    with (
+        tempfile.TemporaryDirectory(prefix="streamer-bench-") as tmp,
+        EmbeddedServer(Path(tmp) / "valkey", extra_args=extra) as server,
+    ):
+        yield server.url
 
 
 def fresh_keys(prefix: str = "bench") -> Keys:
@@ -118,9 +122,7 @@ def bench_client(url: str):
 # ---------------------------------------------------------------- realistic payloads
 
 
-def make_groups(
-    n: int, *, tokens: int, group_size: int = 8, seed: int = 0
-) -> list[TrajectoryGroup]:
+def make_groups(n: int, *, tokens: int, group_size: int = 8, seed: int = 0) -> list[TrajectoryGroup]:
     """``n`` groups of ``group_size`` samples of ``tokens`` tokens each, with log-probs.
 
     A quarter of each sample is prompt; every completion token has a sampler log-prob.
@@ -135,14 +137,23 @@ def make_groups(
                 prompt_ids=rng.integers(0, VOCAB, prompt),
                 completion_ids=rng.integers(0, VOCAB, tokens - prompt),
                 logprobs=-rng.exponential(1.0, tokens - prompt).astype(np.float32),
-                reward=float(rng.integers(0, 2)), finish_reason="stop", version=3,
-            )  # fmt: skip
+                reward=float(rng.integers(0, 2)),
+                finish_reason="stop",
+                version=3,
+            )
             for _ in range(group_size)
         ]
-        out.append(TrajectoryGroup(
-            group_id=f"g{g}", row=g, epoch=0, producer_id="bench", samples=samples,
-            policy_version=3, created_at=time.time(),
-        ))  # fmt: skip
+        out.append(
+            TrajectoryGroup(
+                group_id=f"g{g}",
+                row=g,
+                epoch=0,
+                producer_id="bench",
+                samples=samples,
+                policy_version=3,
+                created_at=time.time(),
+            )
+        )
     return out
 
 
@@ -150,16 +161,25 @@ def as_plain_dict(group: TrajectoryGroup) -> dict:
     """The group as plain Python containers (token ids and log-probs as lists), the shape
     a pickle- or JSON-based transport carries."""
     return {
-        "group_id": group.group_id, "row": group.row, "epoch": group.epoch,
-        "producer_id": group.producer_id, "policy_version": group.policy_version,
-        "created_at": group.created_at, "published_at": group.published_at,
+        "group_id": group.group_id,
+        "row": group.row,
+        "epoch": group.epoch,
+        "producer_id": group.producer_id,
+        "policy_version": group.policy_version,
+        "created_at": group.created_at,
+        "published_at": group.published_at,
         "samples": [
-            {"input_ids": s.token_ids().tolist(), "logprobs": s.sampler_logprobs().tolist(),
-             "prompt_len": s.prompt_len, "reward": s.reward,
-             "finish_reason": s.finish_reason, "version": s.version}
+            {
+                "input_ids": s.token_ids().tolist(),
+                "logprobs": s.sampler_logprobs().tolist(),
+                "prompt_len": s.prompt_len,
+                "reward": s.reward,
+                "finish_reason": s.finish_reason,
+                "version": s.version,
+            }
             for s in group.samples
         ],
-    }  # fmt: skip
+    }
 
 
 def tensor_ready(group: TrajectoryGroup) -> tuple[np.ndarray, np.ndarray]:

@@ -22,8 +22,18 @@ GOAL_SECONDS = 300.0
 
 def run_once(steps: int | None, producers: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        argv = [sys.executable, "-m", "streamer", "up", "--fresh", "--no-progress",
-                "--data-dir", d, "--producers", str(producers)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "streamer",
+            "up",
+            "--fresh",
+            "--no-progress",
+            "--data-dir",
+            d,
+            "--producers",
+            str(producers),
+        ]
         if steps:
             argv += ["--steps", str(steps)]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
@@ -36,8 +46,10 @@ def bucket_table(curve: dict, width: int) -> list[str]:
     rewards = {int(v): r for v, r in curve["reward_by_version"].items() if int(v) >= 0}
     counts = {int(v): n for v, n in curve["groups_by_version"].items() if int(v) >= 0}
     evals = {int(v): a for v, a in curve["eval_accuracy_by_version"].items()}
-    lines = ["| versions | rollout reward (mean over groups) | eval accuracy at the end |",
-             "| --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| versions | rollout reward (mean over groups) | eval accuracy at the end |",
+        "| --- | --- | --- |",
+    ]
     top = max([*rewards, *evals, 0])
     for lo in range(0, top + 1, width):
         hi = lo + width - 1
@@ -45,7 +57,9 @@ def bucket_table(curve: dict, width: int) -> list[str]:
         n = sum(counts[v] for v in vs)
         mean = sum(rewards[v] * counts[v] for v in vs) / n if n else float("nan")
         ev = [evals[v] for v in sorted(evals) if lo <= v <= hi]
-        lines.append(f"| {lo}-{hi} | {mean:.2f} | {ev[-1]:.2f} |" if ev else f"| {lo}-{hi} | {mean:.2f} | - |")
+        lines.append(
+            f"| {lo}-{hi} | {mean:.2f} | {ev[-1]:.2f} |" if ev else f"| {lo}-{hi} | {mean:.2f} | - |"
+        )
     return lines
 
 

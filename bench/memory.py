@@ -26,12 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
+import common as C
 
-from schemas import TrajectoryGroup, encode  # noqa: E402
-from streamer.bus import Consumer, Publisher, trim_acked  # noqa: E402
-from streamer.config import BusSection  # noqa: E402
-from streamer.keys import TRAINER_GROUP  # noqa: E402
+from schemas import TrajectoryGroup, encode
+from streamer.bus import Consumer, Publisher, trim_acked
+from streamer.config import BusSection
+from streamer.keys import TRAINER_GROUP
 
 
 def used_memory(client) -> int:
@@ -69,8 +69,7 @@ def memory_table(client, args) -> tuple[list, dict[str, float]]:
         payload = sum(len(encode(g)) for g in groups) / n
         runs = [per_group(client, groups, batch=16) for _ in range(args.repeats)]
         delta, usage = C.median([r[0] for r in runs]), C.median([r[1] for r in runs])
-        rows.append([tokens, n, payload / 1000, delta / 1000, usage / 1000, delta - payload,
-                     delta / payload])  # fmt: skip
+        rows.append([tokens, n, payload / 1000, delta / 1000, usage / 1000, delta - payload, delta / payload])
         ratios[f"used_memory_per_payload_{tokens}"] = delta / payload
     return rows, ratios
 
@@ -87,8 +86,7 @@ class Flood:
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._threads = [
-            threading.Thread(target=self._run, args=(url, keys, cfg, group), daemon=True,
-                             name=f"flood-{i}")  # fmt: skip
+            threading.Thread(target=self._run, args=(url, keys, cfg, group), daemon=True, name=f"flood-{i}")
             for i in range(producers)
         ]
 
@@ -119,9 +117,7 @@ class Flood:
             t.join(timeout=10)
 
 
-def watch(
-    client, stream: str, flood: Flood, seconds: float, *, until=None
-) -> tuple[int, float | None]:
+def watch(client, stream: str, flood: Flood, seconds: float, *, until=None) -> tuple[int, float | None]:
     """Sample XLEN for ``seconds`` (or until ``until()``); the max seen and when ``until`` held."""
     peak, start, hit = 0, time.monotonic(), None
     while (elapsed := time.monotonic() - start) < seconds:
@@ -141,8 +137,7 @@ def flood_run(url: str, client, args) -> tuple[list, dict]:
     limit, slack = args.limit, args.producers - 1
     cfg = BusSection(max_unacked=limit, backpressure_timeout=120.0, read_count=limit)
     group = C.make_groups(1, tokens=args.flood_tokens, group_size=args.group_size)[0]
-    trainer = Consumer(client, keys, keys.traj, TRAINER_GROUP, "stalled",
-                       as_type=TrajectoryGroup, cfg=cfg)  # fmt: skip
+    trainer = Consumer(client, keys, keys.traj, TRAINER_GROUP, "stalled", as_type=TrajectoryGroup, cfg=cfg)
     rows, peaks, resumes, base = [], [], [], used_memory(client)
     try:
         with Flood(url, keys, cfg, group, args.producers) as flood:
@@ -150,30 +145,48 @@ def flood_run(url: str, client, args) -> tuple[list, dict]:
             n0 = flood.published
             peak2, _ = watch(client, keys.traj, flood, args.stall)
             peaks += [peak, peak2]
-            rows.append(["stalled", flood.published, max(peak, peak2), flood.published - n0, "-",
-                         (used_memory(client) - base) / 1e6])  # fmt: skip
+            rows.append(
+                [
+                    "stalled",
+                    flood.published,
+                    max(peak, peak2),
+                    flood.published - n0,
+                    "-",
+                    (used_memory(client) - base) / 1e6,
+                ]
+            )
             for cycle in range(args.cycles):
                 got = trainer.read(count=args.ack_batch, block=1.0)
                 before = flood.published
                 trainer.ack([d.id for d in got])
                 trim_acked(client, keys.traj)  # the trainer trims what every group acknowledged
-                _, resumed = watch(client, keys.traj, flood, 5.0,
-                                   until=lambda b=before: flood.published > b)  # fmt: skip
+                _, resumed = watch(client, keys.traj, flood, 5.0, until=lambda b=before: flood.published > b)
                 resumes.append(resumed)
                 peak, _ = watch(client, keys.traj, flood, args.stall / 2)
                 n1 = flood.published
                 peak2, _ = watch(client, keys.traj, flood, args.stall / 2)
                 peaks += [peak, peak2]
-                rows.append([f"acked {len(got)} (cycle {cycle + 1})", flood.published,
-                             max(peak, peak2), flood.published - n1,
-                             "never" if resumed is None else f"{resumed * 1000:.0f} ms",
-                             (used_memory(client) - base) / 1e6])  # fmt: skip
+                rows.append(
+                    [
+                        f"acked {len(got)} (cycle {cycle + 1})",
+                        flood.published,
+                        max(peak, peak2),
+                        flood.published - n1,
+                        "never" if resumed is None else f"{resumed * 1000:.0f} ms",
+                        (used_memory(client) - base) / 1e6,
+                    ]
+                )
     finally:
         C.drop_run(client, keys)
     ok_bound = max(peaks) <= limit + slack
     ok_resume = all(r is not None for r in resumes)
-    return rows, {"max_xlen": max(peaks), "bound": limit + slack, "bounded": ok_bound,
-                  "resumed": ok_resume, "blocked": all(r[3] <= slack for r in rows)}  # fmt: skip
+    return rows, {
+        "max_xlen": max(peaks),
+        "bound": limit + slack,
+        "bounded": ok_bound,
+        "resumed": ok_resume,
+        "blocked": all(r[3] <= slack for r in rows),
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -204,20 +217,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{C.server_version(client)}, G={args.group_size}, {args.repeats} repeats (medians)")
         rows, ratios = memory_table(client, args)
         print("\n1. server memory per queued group")
-        C.print_table(["tokens", "groups", "payload KB", "used_memory KB", "MEMORY USAGE KB",
-                       "overhead B", "used/payload"], rows)  # fmt: skip
+        C.print_table(
+            [
+                "tokens",
+                "groups",
+                "payload KB",
+                "used_memory KB",
+                "MEMORY USAGE KB",
+                "overhead B",
+                "used/payload",
+            ],
+            rows,
+        )
         rows, flood = flood_run(url, client, args)
-        print(f"\n2. flood: {args.producers} producers, max_unacked={args.limit}, trainer stalled "
-              f"(G={args.group_size} x {args.flood_tokens} tokens)")  # fmt: skip
-        C.print_table(["phase", "published", "max XLEN", "published while blocked",
-                       "resumed after", "used_memory +MB"], rows)  # fmt: skip
+        print(
+            f"\n2. flood: {args.producers} producers, max_unacked={args.limit}, trainer stalled "
+            f"(G={args.group_size} x {args.flood_tokens} tokens)"
+        )
+        C.print_table(
+            ["phase", "published", "max XLEN", "published while blocked", "resumed after", "used_memory +MB"],
+            rows,
+        )
         client.close()
     ratios["max_xlen_vs_limit"] = flood["max_xlen"] / args.limit
-    print(f"max XLEN {flood['max_xlen']} <= {flood['bound']} (N + P - 1): "
-          f"{'yes' if flood['bounded'] else 'NO'}; blocked while stalled: "
-          f"{'yes' if flood['blocked'] else 'NO'}; resumed after every ack: "
-          f"{'yes' if flood['resumed'] else 'NO'}; "
-          f"took {time.monotonic() - began:.0f} s")  # fmt: skip
+    print(
+        f"max XLEN {flood['max_xlen']} <= {flood['bound']} (N + P - 1): "
+        f"{'yes' if flood['bounded'] else 'NO'}; blocked while stalled: "
+        f"{'yes' if flood['blocked'] else 'NO'}; resumed after every ack: "
+        f"{'yes' if flood['resumed'] else 'NO'}; "
+        f"took {time.monotonic() - began:.0f} s"
+    )
     C.print_ratios(ratios)
     return 0 if flood["bounded"] and flood["resumed"] and flood["blocked"] else 1
 

@@ -50,21 +50,41 @@ def write_config(path: Path, *, run: str, redis_url: str, sampler_url: str, grou
     return path
 
 
-def measure(n: int, *, redis_url: str, sampler_url: str, workdir: Path, window: float,
-            warmup: float, group_size: int) -> float:  # fmt: skip
+def measure(
+    n: int, *, redis_url: str, sampler_url: str, workdir: Path, window: float, warmup: float, group_size: int
+) -> float:
     """Groups per second published by ``n`` producer processes."""
     keys = Keys(f"bench{uuid.uuid4().hex[:8]}")
     client = connect(redis_url)
     gate = Admission(client, keys, max_staleness=0, groups_per_step=1)
     gate.publish_limits(max_staleness=0, groups_per_step=0)  # shut until every producer is up
-    config = write_config(workdir / f"{keys.run}.toml", run=keys.run, redis_url=redis_url,
-                          sampler_url=sampler_url, group_size=group_size)  # fmt: skip
+    config = write_config(
+        workdir / f"{keys.run}.toml",
+        run=keys.run,
+        redis_url=redis_url,
+        sampler_url=sampler_url,
+        group_size=group_size,
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
-        subprocess.Popen([sys.executable, "-m", "streamer", "--log-level", "WARNING", "produce",
-                          "--config", str(config), "--id", f"p{i}"], cwd=workdir, env=env)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "streamer",
+                "--log-level",
+                "WARNING",
+                "produce",
+                "--config",
+                str(config),
+                "--id",
+                f"p{i}",
+            ],
+            cwd=workdir,
+            env=env,
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
     try:
         deadline = time.monotonic() + 90
         while client.hlen(keys.lease_owner) < n:
@@ -102,29 +122,39 @@ def main() -> int:
     args = ap.parse_args()
     counts = [1, 2, 4, 8] if args.with_8 else [1, 2, 4]
     began = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp, FakeCompletionsServer(
-        canned([10, 5]), latency=args.latency
-    ) as sampler:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        FakeCompletionsServer(canned([10, 5]), latency=args.latency) as sampler,
+    ):
         server = None if args.redis_url else EmbeddedServer(Path(tmp) / "valkey").start()
         url = args.redis_url or server.url
         try:
-            print(f"fixed sampler latency {args.latency * 1000:.0f} ms, G={args.group_size}, "
-                  f"window {args.window:.0f} s per N")  # fmt: skip
+            print(
+                f"fixed sampler latency {args.latency * 1000:.0f} ms, G={args.group_size}, "
+                f"window {args.window:.0f} s per N"
+            )
             print(f"{'producers':>9}  {'groups/s':>9}  {'vs 1':>6}  {'ideal':>6}")
             rates = {}
             for n in counts:
                 rates[n] = measure(
-                    n, redis_url=url, sampler_url=sampler.url, workdir=Path(tmp),
-                    window=args.window, warmup=args.warmup, group_size=args.group_size,
-                )  # fmt: skip
+                    n,
+                    redis_url=url,
+                    sampler_url=sampler.url,
+                    workdir=Path(tmp),
+                    window=args.window,
+                    warmup=args.warmup,
+                    group_size=args.group_size,
+                )
                 print(f"{n:>9}  {rates[n]:>9.2f}  {rates[n] / rates[1]:>5.2f}x  {n:>5}x", flush=True)
         finally:
             if server:
                 server.stop()
     ratio = rates[4] / rates[1]
     verdict = "meets" if ratio >= GOAL else "MISSES"
-    print(f"4 producers vs 1: {ratio:.2f}x ({verdict} the goal of >= {GOAL}x); "
-          f"bench took {time.monotonic() - began:.0f} s")  # fmt: skip
+    print(
+        f"4 producers vs 1: {ratio:.2f}x ({verdict} the goal of >= {GOAL}x); "
+        f"bench took {time.monotonic() - began:.0f} s"
+    )
     return 1 if args.check and ratio < GOAL else 0
 
 

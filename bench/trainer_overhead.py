@@ -37,7 +37,6 @@ import torch  # noqa: E402
 
 from consumers import loss as L  # noqa: E402
 from consumers import trainer as T  # noqa: E402
-from consumers.batch import collate  # noqa: E402
 from consumers.learner import BETAS, Learner  # noqa: E402
 from schemas import MetricsEvent, Sample, TrajectoryGroup, decode, encode  # noqa: E402
 from streamer.bus import FIELD, connect  # noqa: E402
@@ -53,10 +52,17 @@ def build_model(seed: int):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-        tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
 
@@ -69,19 +75,30 @@ def make_groups(n: int, *, group_size: int, completion: int, seed: int) -> list[
         samples = [_sample(rng, prompt, completion) for _ in range(group_size)]
         if len({s.reward for s in samples}) == 1:  # keep every group (no zero-variance rejects)
             samples[0] = _sample(rng, prompt, completion, reward=1.0 - samples[0].reward)
-        groups.append(TrajectoryGroup(
-            group_id=f"g{i}", row=i, epoch=0, producer_id="bench", samples=samples,
-            policy_version=0, created_at=0.0,
-        ))  # fmt: skip
+        groups.append(
+            TrajectoryGroup(
+                group_id=f"g{i}",
+                row=i,
+                epoch=0,
+                producer_id="bench",
+                samples=samples,
+                policy_version=0,
+                created_at=0.0,
+            )
+        )
     return groups
 
 
 def _sample(rng: random.Random, prompt: list[int], completion: int, reward: float | None = None) -> Sample:
     ids = [rng.randrange(2, VOCAB) for _ in range(rng.randint(completion // 2, completion))]
     return Sample.build(
-        prompt_ids=prompt, completion_ids=ids, logprobs=[-rng.uniform(5.0, 7.0) for _ in ids],
-        reward=float(rng.random() < 0.5) if reward is None else reward, finish_reason="stop", version=0,
-    )  # fmt: skip
+        prompt_ids=prompt,
+        completion_ids=ids,
+        logprobs=[-rng.uniform(5.0, 7.0) for _ in ids],
+        reward=float(rng.random() < 0.5) if reward is None else reward,
+        finish_reason="stop",
+        version=0,
+    )
 
 
 class BareLoop:
@@ -106,10 +123,16 @@ class BareLoop:
         for mb in batch.split(tc.ppo_minibatches):
             self.opt.zero_grad(set_to_none=True)
             loss, _ = L.ppo_loss(
-                logp=self._logp(mb), prox_logp=mb.prox_logp, sampler_logp=mb.sampler_logp,
-                advantages=mb.advantages, weights=mb.weights, eps_low=tc.eps_low, eps_high=tc.eps_high,
-                tis_cap=tc.tis_cap, agg=tc.loss_agg,
-            )  # fmt: skip
+                logp=self._logp(mb),
+                prox_logp=mb.prox_logp,
+                sampler_logp=mb.sampler_logp,
+                advantages=mb.advantages,
+                weights=mb.weights,
+                eps_low=tc.eps_low,
+                eps_high=tc.eps_high,
+                tis_cap=tc.tis_cap,
+                agg=tc.loss_agg,
+            )
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
             self.opt.step()
@@ -151,9 +174,7 @@ def paired_run(cfg: RunConfig, groups) -> tuple[list, list, list[MetricsEvent]]:
     learner.train_step = paired_step
     assert trainer.run() == 0
     marks.append(now())  # after the final checkpoint and the last version's publication
-    cycles = [
-        (b[0] - a[0] - t[0], b[1] - a[1] - t[1]) for a, b, t in zip(marks, marks[1:], bare_times)
-    ]
+    cycles = [(b[0] - a[0] - t[0], b[1] - a[1] - t[1]) for a, b, t in zip(marks, marks[1:], bare_times)]
     events = [decode(f[FIELD], MetricsEvent) for _, f in client.xrange(keys.metrics)]
     return bare_times, cycles, events
 
@@ -181,16 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
     ratio = statistics.median(c[0] / b[0] for b, c in zip(bare, cycles))
     tokens = statistics.mean(e.values["tokens"] for e in events)
-    print(f"model {sum(p.numel() for p in build_model(0).parameters()) / 1e6:.1f}M params, "
-          f"{gps} groups x {args.group_size} samples, {tokens:.0f} trained tokens/step, "
-          f"{args.steps} steps after {w} warm-up, torch threads {torch.get_num_threads()}, "
-          f"checkpoint every {cfg.trainer.checkpoint_every}")  # fmt: skip
+    print(
+        f"model {sum(p.numel() for p in build_model(0).parameters()) / 1e6:.1f}M params, "
+        f"{gps} groups x {args.group_size} samples, {tokens:.0f} trained tokens/step, "
+        f"{args.steps} steps after {w} warm-up, torch threads {torch.get_num_threads()}, "
+        f"checkpoint every {cfg.trainer.checkpoint_every}"
+    )
     print(f"bare torch loop   median {med(bare, 0):.3f} s/step wall  {med(bare, 1):.3f} s/step CPU")
     print(f"trainer (stream)  median {med(cycles, 0):.3f} s/step wall  {med(cycles, 1):.3f} s/step CPU")
     learner = statistics.median(e.values["step_seconds"] - b[0] for e, b in zip(events, bare))
-    print(f"  of which learner.train_step {learner:.3f}, rest of the cycle {med(cycles, 0) - learner:.3f} "
-          f"(weights write+publish {statistics.median(e.values['weight_sync_seconds'] for e in events):.3f}, "
-          f"data wait {statistics.median(e.values['data_wait_seconds'] for e in events):.3f})")  # fmt: skip
+    print(
+        f"  of which learner.train_step {learner:.3f}, rest of the cycle {med(cycles, 0) - learner:.3f} "
+        f"(weights write+publish {statistics.median(e.values['weight_sync_seconds'] for e in events):.3f}, "
+        f"data wait {statistics.median(e.values['data_wait_seconds'] for e in events):.3f})"
+    )
     total_ratio = sum(c[0] for c in cycles) / sum(b[0] for b in bare)
     print(f"total-time ratio  {total_ratio:.3f}  (sum over the measured steps, checkpoints included)")
     print(f"overhead ratio    {ratio:.3f}  (median of per-step ratios; goal <= {GOAL})")

@@ -38,16 +38,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
+import common as C
 
-from schemas import Sample, TrajectoryGroup, encode  # noqa: E402
-from streamer.bus import FIELD, Consumer, Publisher  # noqa: E402
-from streamer.config import BusSection  # noqa: E402
-from streamer.keys import TRAINER_GROUP  # noqa: E402
+from schemas import Sample, TrajectoryGroup, encode
+from streamer.bus import FIELD, Consumer, Publisher
+from streamer.config import BusSection
+from streamer.keys import TRAINER_GROUP
 
 READ_TIMEOUT = 30.0  # a side that cannot read back what it wrote within this fails loudly
-MODES = {False: "publish, then consume, in one process",
-         True: "producer and consumer processes at once"}  # fmt: skip
+MODES = {False: "publish, then consume, in one process", True: "producer and consumer processes at once"}
 
 # Each side is a publish half and a consume half, (client, keys) -> None, run one after the
 # other in this process (default) or, with --concurrent, in two processes at once.
@@ -80,8 +79,15 @@ def streamer_publish(
 
 def streamer_consume(client, keys, n: int, *, read_count: int) -> None:
     """Read ``n`` groups as the trainer does (decoded, validated), make arrays, ack."""
-    consumer = Consumer(client, keys, keys.traj, TRAINER_GROUP, "bench", as_type=TrajectoryGroup,
-                        cfg=BusSection(read_count=read_count))  # fmt: skip
+    consumer = Consumer(
+        client,
+        keys,
+        keys.traj,
+        TRAINER_GROUP,
+        "bench",
+        as_type=TrajectoryGroup,
+        cfg=BusSection(read_count=read_count),
+    )
     got, deadline = 0, time.monotonic() + READ_TIMEOUT
     while got < n:
         deliveries = consumer.read(count=read_count, block=1.0)
@@ -98,15 +104,22 @@ def from_plain(d: dict) -> TrajectoryGroup:
         Sample.build(
             prompt_ids=s["input_ids"][: s["prompt_len"]],
             completion_ids=s["input_ids"][s["prompt_len"] :],
-            logprobs=s["logprobs"], reward=s["reward"], finish_reason=s["finish_reason"],
+            logprobs=s["logprobs"],
+            reward=s["reward"],
+            finish_reason=s["finish_reason"],
             version=s["version"],
-        )  # fmt: skip
+        )
         for s in d["samples"]
     ]
     return TrajectoryGroup(
-        group_id=d["group_id"], row=d["row"], epoch=d["epoch"], producer_id=d["producer_id"],
-        samples=samples, policy_version=d["policy_version"], created_at=d["created_at"],
-    )  # fmt: skip
+        group_id=d["group_id"],
+        row=d["row"],
+        epoch=d["epoch"],
+        producer_id=d["producer_id"],
+        samples=samples,
+        policy_version=d["policy_version"],
+        created_at=d["created_at"],
+    )
 
 
 # ---------------------------------------------------------------- the baselines
@@ -125,8 +138,7 @@ def raw_consume(client, keys, n: int, *, read_count: int) -> None:
     """XREADGROUP COUNT>1 and XACK, the payload left as bytes."""
     got, deadline = 0, time.monotonic() + READ_TIMEOUT
     while got < n:
-        resp = client.xreadgroup(TRAINER_GROUP, "raw", {keys.traj: ">"}, count=read_count,
-                                 block=1000)  # fmt: skip
+        resp = client.xreadgroup(TRAINER_GROUP, "raw", {keys.traj: ">"}, count=read_count, block=1000)
         entries = resp[0][1] if resp else []
         if entries:
             client.xack(keys.traj, TRAINER_GROUP, *(e[0] for e in entries))
@@ -183,8 +195,7 @@ def _run_split(client, url: str, keys, publish, consume) -> C.Stopwatch:
     """Producer and consumer in two forked processes started together; client CPU is theirs."""
     ctx = multiprocessing.get_context("fork")
     barrier, cpu = ctx.Barrier(3), ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, url, keys, barrier, cpu))
-             for fn in (publish, consume)]  # fmt: skip
+    procs = [ctx.Process(target=_child, args=(fn, url, keys, barrier, cpu)) for fn in (publish, consume)]
     for p in procs:
         p.start()
     watch = C.Stopwatch(client)
@@ -222,8 +233,9 @@ def run_sides(sides: dict, repeats: int) -> tuple[dict[str, list[float]], list[d
             runs[side].append(sides[side]())
             this[side] = runs[side][-1].wall
         per_repeat.append(this)
-    med = {k: [C.median([getattr(w, f) for w in v]) for f in ("wall", "cpu", "server")]
-           for k, v in runs.items()}  # fmt: skip
+    med = {
+        k: [C.median([getattr(w, f) for w in v]) for f in ("wall", "cpu", "server")] for k, v in runs.items()
+    }
     return med, per_repeat
 
 
@@ -242,14 +254,19 @@ def vs_raw(client, url: str, args, tokens: int) -> tuple[list, float]:
     b, rc = args.batch, args.read_count
     run = partial(run_side, client, url, concurrent=args.concurrent)
     sides = {
-        "streamer": lambda: run(partial(streamer_publish, groups=groups, batch=b),
-                                partial(streamer_consume, n=n, read_count=rc)),
-        "raw": lambda: run(partial(raw_publish, payloads=payloads, batch=b),
-                           partial(raw_consume, n=n, read_count=rc)),
-    }  # fmt: skip
+        "streamer": lambda: run(
+            partial(streamer_publish, groups=groups, batch=b), partial(streamer_consume, n=n, read_count=rc)
+        ),
+        "raw": lambda: run(
+            partial(raw_publish, payloads=payloads, batch=b), partial(raw_consume, n=n, read_count=rc)
+        ),
+    }
     med, per_repeat = run_sides(sides, args.repeats)
-    rows = [[tokens, side, n, total / n / 1000, C.mb(total / med[side][0]), n / med[side][0]]
-            + [t / n * 1e6 for t in med[side]] for side in sides]  # fmt: skip
+    rows = [
+        [tokens, side, n, total / n / 1000, C.mb(total / med[side][0]), n / med[side][0]]
+        + [t / n * 1e6 for t in med[side]]
+        for side in sides
+    ]
     return rows, paired(per_repeat, "raw", "streamer")
 
 
@@ -264,16 +281,21 @@ def vs_pipelinerl(client, url: str, args, tokens: int) -> tuple[list, dict[str, 
     sides = {
         "streamer": lambda: run(partial(streamer_publish, groups=groups, batch=b), consume),
         "streamer, from lists": lambda: run(
-            partial(streamer_publish, groups=[], from_lists=plain, batch=b), consume),
+            partial(streamer_publish, groups=[], from_lists=plain, batch=b), consume
+        ),
         "streamer, 1 XADD/group": lambda: run(
-            partial(streamer_publish, groups=groups, batch=b, pipelined=False), consume),
-        "pipelinerl-style": lambda: run(partial(pipelinerl_publish, plain=plain),
-                                        partial(pipelinerl_consume, n=n)),
-    }  # fmt: skip
+            partial(streamer_publish, groups=groups, batch=b, pipelined=False), consume
+        ),
+        "pipelinerl-style": lambda: run(
+            partial(pipelinerl_publish, plain=plain), partial(pipelinerl_consume, n=n)
+        ),
+    }
     med, per_repeat = run_sides(sides, args.repeats)
     wire = {side: probe for side in sides} | {"pipelinerl-style": len(pickle.dumps(plain[0]))}
-    rows = [[tokens, side, n, wire[side] / 1000, n / med[side][0]]
-            + [t / n * 1e6 for t in med[side]] for side in sides]  # fmt: skip
+    rows = [
+        [tokens, side, n, wire[side] / 1000, n / med[side][0]] + [t / n * 1e6 for t in med[side]]
+        for side in sides
+    ]
     return rows, {side: paired(per_repeat, "pipelinerl-style", side) for side in list(sides)[:3]}
 
 
@@ -283,14 +305,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes", default="512,4096", help="tokens per sample, comma separated")
     ap.add_argument("--group-size", type=int, default=8, help="samples per group (G)")
     ap.add_argument("--mb", type=float, default=60.0, help="payload MB per repeat, vs-raw part")
-    ap.add_argument("--pipelinerl-mb", type=float, default=12.0,
-                    help="payload MB per repeat, vs-PipelineRL part (its lists are memory-hungry)")
+    ap.add_argument(
+        "--pipelinerl-mb",
+        type=float,
+        default=12.0,
+        help="payload MB per repeat, vs-PipelineRL part (its lists are memory-hungry)",
+    )
     ap.add_argument("--batch", type=int, default=16, help="groups per pipelined publish")
     ap.add_argument("--read-count", type=int, default=64, help="COUNT of each XREADGROUP")
     ap.add_argument("--only", choices=["raw", "pipelinerl"], help="run only one comparison")
-    ap.add_argument("--concurrent", action="store_true",
-                    help="publish and consume in two processes at once (a running system) "
-                         "instead of one after the other in this process")
+    ap.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="publish and consume in two processes at once (a running system) "
+        "instead of one after the other in this process",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     args = ap.parse_args(argv)
     if args.quick:
@@ -304,9 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     began, ratios, goals = time.monotonic(), {}, {}
     with C.server_url(args) as url:
         client = C.bench_client(url)
-        print(f"{C.server_version(client)}, G={args.group_size}, {args.repeats} repeats (medians; "
-              f"ratios are medians of paired repeats), publish batch {args.batch}, "
-              f"read COUNT {args.read_count}, {MODES[args.concurrent]}")  # fmt: skip
+        print(
+            f"{C.server_version(client)}, G={args.group_size}, {args.repeats} repeats (medians; "
+            f"ratios are medians of paired repeats), publish batch {args.batch}, "
+            f"read COUNT {args.read_count}, {MODES[args.concurrent]}"
+        )
         if args.only in (None, "raw"):
             rows = []
             for tokens in args.sizes:
@@ -315,8 +346,20 @@ def main(argv: list[str] | None = None) -> int:
                 ratios[f"vs_raw_{tokens}"] = ratio
                 goals[f"vs_raw_{tokens}"] = C.verdict(ratio, at_least=0.90)
             print("\n1. streamer vs raw pipelined XADD/XREADGROUP/XACK of the same bytes")
-            C.print_table(["tokens", "side", "groups", "KB/group", "MB/s", "groups/s", "us/group",
-                           "client CPU", "server CPU"], rows)  # fmt: skip
+            C.print_table(
+                [
+                    "tokens",
+                    "side",
+                    "groups",
+                    "KB/group",
+                    "MB/s",
+                    "groups/s",
+                    "us/group",
+                    "client CPU",
+                    "server CPU",
+                ],
+                rows,
+            )
         if args.only in (None, "pipelinerl"):
             rows = []
             for tokens in args.sizes:
@@ -326,13 +369,18 @@ def main(argv: list[str] | None = None) -> int:
                 goals[f"vs_pipelinerl_{tokens}"] = C.verdict(rs["streamer"], at_least=5.0)
                 ratios[f"from_lists_vs_pipelinerl_{tokens}"] = rs["streamer, from lists"]
                 ratios[f"unpipelined_vs_pipelinerl_{tokens}"] = rs["streamer, 1 XADD/group"]
-            print("\n2. streamer vs PipelineRL-style (pickled dict of lists, 1 XADD/group, "
-                  "XREAD COUNT 1, lists -> arrays)")  # fmt: skip
-            C.print_table(["tokens", "side", "groups", "KB/group", "groups/s", "us/group",
-                           "client CPU", "server CPU"], rows)  # fmt: skip
+            print(
+                "\n2. streamer vs PipelineRL-style (pickled dict of lists, 1 XADD/group, "
+                "XREAD COUNT 1, lists -> arrays)"
+            )
+            C.print_table(
+                ["tokens", "side", "groups", "KB/group", "groups/s", "us/group", "client CPU", "server CPU"],
+                rows,
+            )
         client.close()
-    print(f"took {time.monotonic() - began:.0f} s; CPU columns are us/group of this process "
-          "and of the server")
+    print(
+        f"took {time.monotonic() - began:.0f} s; CPU columns are us/group of this process and of the server"
+    )
     C.print_ratios(ratios, goals=goals)
     return 0
 

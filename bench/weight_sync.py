@@ -47,18 +47,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import common as C
+import numpy as np
+import torch
 
-from consumers import versions  # noqa: E402
-from consumers.versions import VersionPublisher  # noqa: E402
-from producers.samplers import Completion  # noqa: E402
-from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode  # noqa: E402
-from streamer import demo, weights  # noqa: E402
-from streamer.admission import Admission  # noqa: E402
-from streamer.bus import FIELD, connect  # noqa: E402
-from streamer.keys import Keys  # noqa: E402
+from consumers import versions
+from consumers.versions import VersionPublisher
+from producers.samplers import Completion
+from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
+from streamer import demo, weights
+from streamer.admission import Admission
+from streamer.bus import FIELD, connect
+from streamer.keys import Keys
 
 GOAL = 1.5
 WIDE_OPEN = 10**9
@@ -74,11 +74,18 @@ def big_config(*, hidden: int, layers: int):
 
     tok = demo.tokenizer()
     return Qwen2Config(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=2,
-        max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
 
 
 def build(kind: str, workdir: Path, args) -> tuple[torch.nn.Module, str]:
@@ -129,8 +136,9 @@ def producer_child(config: str, producer_id: str, latency: float, *, verify: boo
     cfg = load_config(config)
     client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name=producer_id)
     task, sampler = build_parts(cfg)
-    producer = Producer(cfg, client=client, producer_id=producer_id, task=task,
-                        sampler=PacedSampler(sampler, latency=latency))  # fmt: skip
+    producer = Producer(
+        cfg, client=client, producer_id=producer_id, task=task, sampler=PacedSampler(sampler, latency=latency)
+    )
     signal.signal(signal.SIGTERM, lambda *_: producer.stop.set())
     try:
         return producer.run()
@@ -143,20 +151,35 @@ def write_config(path: Path, *, run: str, url: str, model: str) -> Path:
     path.write_text(
         f'[run]\nname = "{run}"\nredis_url = "{url}"\ndata_dir = "{path.parent}"\n'
         f'[model]\nname_or_path = "{model}"\n[bus]\nmax_unacked = {WIDE_OPEN}\n'
-        '[producer]\ngroup_size = 2\nmin_group_size = 1\nmax_new_tokens = 1\n'
+        "[producer]\ngroup_size = 2\nmin_group_size = 1\nmax_new_tokens = 1\n"
         'reward = "streamer.demo:reward"\ntorch_threads = 1\nshutdown_grace = 5.0\n'
-    )  # fmt: skip
+    )
     return path
 
 
 def spawn(config: Path, producer_id: str, args) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": "1"}
     if args.real_sampling:
-        cmd = ["-m", "streamer", "--log-level", "WARNING", "produce", "--config", str(config),
-               "--id", producer_id]  # fmt: skip
+        cmd = [
+            "-m",
+            "streamer",
+            "--log-level",
+            "WARNING",
+            "produce",
+            "--config",
+            str(config),
+            "--id",
+            producer_id,
+        ]
     else:
-        cmd = [__file__, "--producer-child", str(config), producer_id, str(args.sample_latency),
-               str(int(args.verify))]  # fmt: skip
+        cmd = [
+            __file__,
+            "--producer-child",
+            str(config),
+            producer_id,
+            str(args.sample_latency),
+            str(int(args.verify)),
+        ]
     with open(config.parent / f"{producer_id}.log", "ab") as log:
         return subprocess.Popen([sys.executable, *cmd], cwd=config.parent, env=env, stdout=log, stderr=log)
 
@@ -268,8 +291,20 @@ def raw_save_load(model, path: Path) -> tuple[float, float]:
     return saved - start, loaded - saved
 
 
-def one_version(model, version: int, *, publisher: VersionPublisher, loads: Loads, client, keys,
-                producers: list[str], procs, workdir: Path, jitter: float, clock: Clock) -> dict:  # fmt: skip
+def one_version(
+    model,
+    version: int,
+    *,
+    publisher: VersionPublisher,
+    loads: Loads,
+    client,
+    keys,
+    producers: list[str],
+    procs,
+    workdir: Path,
+    jitter: float,
+    clock: Clock,
+) -> dict:
     """Publish ``version``, wait until every producer loaded it; its timings."""
     with torch.no_grad():
         for p in model.parameters():  # a different version (as a step would make it)
@@ -310,9 +345,11 @@ def measure(kind: str, *, url: str, workdir: Path, args, clock: Clock) -> dict[i
     client = C.bench_client(url)
     config = write_config(workdir / f"{keys.run}.toml", run=keys.run, url=url, model=source)
     Admission(client, keys, max_staleness=0, groups_per_step=1).publish_limits(
-        max_staleness=0, groups_per_step=WIDE_OPEN)  # fmt: skip
-    publisher = VersionPublisher(client, keys, root=workdir / keys.run / "weights", keep_versions=3,
-                                 protect=lambda: -1)  # fmt: skip
+        max_staleness=0, groups_per_step=WIDE_OPEN
+    )
+    publisher = VersionPublisher(
+        client, keys, root=workdir / keys.run / "weights", keep_versions=3, protect=lambda: -1
+    )
     publisher.publish_now(model, version=0, step=0)  # as the trainer does at start
     loads, procs, producers, version = Loads(client, keys), [], [], 0
     results: dict[int, list[dict]] = {}
@@ -324,9 +361,19 @@ def measure(kind: str, *, url: str, workdir: Path, args, clock: Clock) -> dict[i
             loads.wait(producers, version, procs)  # all up and sampling with the newest version
             for i in range(args.warmup + args.versions):
                 version += 1
-                res = one_version(model, version, publisher=publisher, loads=loads, client=client,
-                                  keys=keys, producers=producers, procs=procs, workdir=workdir,
-                                  jitter=args.sample_latency, clock=clock)  # fmt: skip
+                res = one_version(
+                    model,
+                    version,
+                    publisher=publisher,
+                    loads=loads,
+                    client=client,
+                    keys=keys,
+                    producers=producers,
+                    procs=procs,
+                    workdir=workdir,
+                    jitter=args.sample_latency,
+                    clock=clock,
+                )
                 if i >= args.warmup:
                     results.setdefault(count, []).append(res)
             print(f"  {kind}: {count} producer(s) done", flush=True)
@@ -354,27 +401,68 @@ def report(all_results: dict[str, dict], args) -> None:
             runs = res[count]
             med = {k: C.median([r[k] for r in runs]) for k in runs[0]}
             name = f"{kind} {res['params']:.1f}M"
-            latency.append([name, count, len(runs), med["xadd_to_all"], p95([r["xadd_to_all"] for r in runs]),
-                            med["end_to_all"], p95([r["end_to_all"] for r in runs]), raw["raw"],
-                            med["xadd_to_all"] / raw["raw"]])  # fmt: skip
-            parts.append([name, count, *(med[k] for k in ("publish", "snapshot", "save", "sha256", "fsync")),
-                          raw["raw_save"], med["notice"], med["load"], raw["raw_load"]])  # fmt: skip
+            latency.append(
+                [
+                    name,
+                    count,
+                    len(runs),
+                    med["xadd_to_all"],
+                    p95([r["xadd_to_all"] for r in runs]),
+                    med["end_to_all"],
+                    p95([r["end_to_all"] for r in runs]),
+                    raw["raw"],
+                    med["xadd_to_all"] / raw["raw"],
+                ]
+            )
+            parts.append(
+                [
+                    name,
+                    count,
+                    *(med[k] for k in ("publish", "snapshot", "save", "sha256", "fsync")),
+                    raw["raw_save"],
+                    med["notice"],
+                    med["load"],
+                    raw["raw_load"],
+                ]
+            )
             for ratio, key in ((f"{kind}_{count}p", "xadd_to_all"), (f"{kind}_{count}p_path", "path")):
                 ratios[ratio] = med[key] / raw["raw"]
                 goals[ratio] = f"goal <= {GOAL:g}: {'met' if ratios[ratio] <= GOAL else 'NOT met'}"
     mode = f"sampling paced at {args.sample_latency * 1e3:.0f} ms/group"
     mode = "CPU generation" if args.real_sampling else mode
     verify = "" if args.verify else ", producers NOT checking sha256 (what-if)"
-    print(f"seconds; medians over {args.versions} versions after {args.warmup} warm-up ({mode}{verify}); "
-          "raw: median over all of the model's versions")  # fmt: skip
-    C.print_table(["model", "producers", "versions", "xadd->all", "p95", "end->all", "p95", "raw",
-                   "xadd->all/raw"], latency)  # fmt: skip
-    print("where the time goes (publish: this process's publisher, timed part by part; notice and "
-          "load: slowest producer's)")
-    C.print_table(["model", "producers", "publish", "snapshot", "save", "sha256", "fsync", "raw save",
-                   "notice", "load", "raw load"], parts)  # fmt: skip
-    print("legend: NAME = xadd->all / raw (issue 8's definition); NAME_path = (publish + load) / raw, "
-          "the data path without the wait for the group in flight")
+    print(
+        f"seconds; medians over {args.versions} versions after {args.warmup} warm-up ({mode}{verify}); "
+        "raw: median over all of the model's versions"
+    )
+    C.print_table(
+        ["model", "producers", "versions", "xadd->all", "p95", "end->all", "p95", "raw", "xadd->all/raw"],
+        latency,
+    )
+    print(
+        "where the time goes (publish: this process's publisher, timed part by part; notice and "
+        "load: slowest producer's)"
+    )
+    C.print_table(
+        [
+            "model",
+            "producers",
+            "publish",
+            "snapshot",
+            "save",
+            "sha256",
+            "fsync",
+            "raw save",
+            "notice",
+            "load",
+            "raw load",
+        ],
+        parts,
+    )
+    print(
+        "legend: NAME = xadd->all / raw (issue 8's definition); NAME_path = (publish + load) / raw, "
+        "the data path without the wait for the group in flight"
+    )
     C.print_ratios(ratios, goals=goals)
 
 
@@ -388,14 +476,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=768, help="hidden size of the big model")
     ap.add_argument("--layers", type=int, default=16, help="layers of the big model")
     ap.add_argument("--sample-latency", type=float, default=0.05, help="seconds per paced group")
-    ap.add_argument("--real-sampling", action="store_true",
-                    help="plain `streamer produce` (CPU generation) instead of paced sampling")
-    ap.add_argument("--no-verify", dest="verify", action="store_false",
-                    help="what-if: paced producers load without checking the sha256 (resolve's "
-                         "check_sha=False); shows what the check costs")  # fmt: skip
+    ap.add_argument(
+        "--real-sampling",
+        action="store_true",
+        help="plain `streamer produce` (CPU generation) instead of paced sampling",
+    )
+    ap.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="what-if: paced producers load without checking the sha256 (resolve's "
+        "check_sha=False); shows what the check costs",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
-    ap.add_argument("--producer-child", nargs=4, metavar=("CONFIG", "ID", "LATENCY", "VERIFY"),
-                    help=argparse.SUPPRESS)  # fmt: skip
+    ap.add_argument(
+        "--producer-child", nargs=4, metavar=("CONFIG", "ID", "LATENCY", "VERIFY"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.producers, args.versions = ["demo"], [1, 2], 2

@@ -104,9 +104,7 @@ def collate(
     samples = [s for g in groups for s in g.samples]
     if not samples:
         raise ValueError("collate needs at least one sample")
-    adv = np.concatenate(
-        [advantages_of(g, std_normalize=std_normalize, std_floor=std_floor) for g in groups]
-    )
+    adv = np.concatenate([advantages_of(g, std_normalize=std_normalize, std_floor=std_floor) for g in groups])
     width = max(s.num_tokens for s in samples)
     n = len(samples)
     ids = np.full((n, width), pad_id, np.int64)

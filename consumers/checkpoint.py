@@ -91,10 +91,18 @@ def save(
             save_file(_rng_tensors(), tmp / "rng.safetensors")
             files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
             meta = CheckpointMeta(
-                name=name, step=step, version=version, parent=parent, high_water=high_water,
-                group_ids=list(group_ids), entry_ids=list(entry_ids), files=files, optimizer=layout,
-                python_rng=_jsonable(random.getstate()), created_at=time.time(),
-            )  # fmt: skip
+                name=name,
+                step=step,
+                version=version,
+                parent=parent,
+                high_water=high_water,
+                group_ids=list(group_ids),
+                entry_ids=list(entry_ids),
+                files=files,
+                optimizer=layout,
+                python_rng=_jsonable(random.getstate()),
+                created_at=time.time(),
+            )
             (tmp / STATE).write_bytes(msgspec.json.encode(meta))
             for p in tmp.rglob("*"):
                 fsync(p)

@@ -39,8 +39,9 @@ SOURCE = "eval"
 
 
 class Evaluator:
-    def __init__(self, cfg: RunConfig, *, client: redis.Redis, task: Task, sampler,
-                 stop: threading.Event | None = None):  # fmt: skip
+    def __init__(
+        self, cfg: RunConfig, *, client: redis.Redis, task: Task, sampler, stop: threading.Event | None = None
+    ):
         self.cfg, self.e, self.client, self.task, self.sampler = cfg, cfg.eval, client, task, sampler
         self.keys = Keys(cfg.run.name)
         self.stop = stop or threading.Event()
@@ -52,8 +53,12 @@ class Evaluator:
 
     def run(self) -> int:
         """Evaluate the current version, then each eligible new one, until stopped."""
-        log.info("evaluating %d rows every %d versions (reward %s)", len(self.rows),
-                 self.e.eval_every, self.task.reward_path)  # fmt: skip
+        log.info(
+            "evaluating %d rows every %d versions (reward %s)",
+            len(self.rows),
+            self.e.eval_every,
+            self.task.reward_path,
+        )
         retrying(self.start, what="evaluator")  # server outages: logged backoff
         while not self.stop.is_set() and not self._done():
             retrying(lambda: self.step(block=self.cfg.bus.block_seconds), what="evaluator")
@@ -85,8 +90,12 @@ class Evaluator:
             if self.stop.is_set():
                 log.info("stopped during the evaluation of version %d; nothing published", version)
                 return None
-            batch = self.sampler.sample_many(self.prompts[lo : lo + self.e.batch_size], n=1,
-                                             temperature=0, max_new_tokens=self.e.max_new_tokens)  # fmt: skip
+            batch = self.sampler.sample_many(
+                self.prompts[lo : lo + self.e.batch_size],
+                n=1,
+                temperature=0,
+                max_new_tokens=self.e.max_new_tokens,
+            )
             for row, (completion,) in zip(self.rows[lo:], batch):
                 rewards.append(self._reward(row, completion))
                 lengths.append(len(completion.token_ids))
@@ -101,8 +110,14 @@ class Evaluator:
         event = MetricsEvent(axis="eval", step=version, values=values, source=SOURCE)
         retrying(lambda: self.publisher.publish(self.keys.metrics, event), what="publishing eval metrics")
         self.evaluated.append(version)
-        log.info("version %d: accuracy %.3f, reward %.3f over %d rows (%.1fs)", version,
-                 values["accuracy"], values["reward_mean"], n, values["eval_seconds"])  # fmt: skip
+        log.info(
+            "version %d: accuracy %.3f, reward %.3f over %d rows (%.1fs)",
+            version,
+            values["accuracy"],
+            values["reward_mean"],
+            n,
+            values["eval_seconds"],
+        )
         return version
 
     def _reward(self, row: dict, completion) -> float:

@@ -107,9 +107,14 @@ class Exporter:
             after = f"({rows[-1][0].decode()}"
         self.state = state
         self.consumer = Consumer(
-            self.client, self.keys, self.keys.metrics, METRICS_GROUP, CONSUMER_NAME,
-            as_type=MetricsEvent, cfg=self.cfg.bus,
-        )  # fmt: skip
+            self.client,
+            self.keys,
+            self.keys.metrics,
+            METRICS_GROUP,
+            CONSUMER_NAME,
+            as_type=MetricsEvent,
+            cfg=self.cfg.bus,
+        )
         log.info(
             "replayed %d metrics events (%d undecodable skipped) from %s",
             applied,
@@ -195,7 +200,7 @@ class _HTTPServer6(ThreadingHTTPServer):
 
 def _handler(ex: Exporter) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the http.server protocol
+        def do_GET(self) -> None:
             path = self.path.partition("?")[0]
             if path == "/metrics":
                 self._send(200, generate_latest(ex.registry), CONTENT_TYPE_LATEST)

@@ -150,4 +150,3 @@ class GroupFilter:
 
 def _zero_weight(sample: Sample) -> Sample:
     return msgspec.structs.replace(sample, mask=bytes(sample.completion_len))
-

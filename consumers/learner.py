@@ -40,9 +40,7 @@ class Learner:
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay
-        )
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
 
     def lr_at(self, step: int) -> float:
         """LR of optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``."""
@@ -104,15 +102,25 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         denom = L.normalizer(mb.weights, cfg.loss_agg)
         n_tok = max(float((mb.weights > 0).sum()), 1.0)
-        out = dict.fromkeys(("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "is_weight_max"), 0.0)
+        out = dict.fromkeys(
+            ("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "is_weight_max"), 0.0
+        )
         for micro in mb.chunks(cfg.micro_batch_size):
             logp = L.token_logprobs(self.forward_logits(self.model, micro), micro.targets)
             loss, stats = L.ppo_loss(
-                logp=logp, prox_logp=micro.prox_logp, sampler_logp=micro.sampler_logp,
-                advantages=micro.advantages, weights=micro.weights, eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
-                ref_logp=micro.ref_logp, agg=cfg.loss_agg, denom=denom,
-            )  # fmt: skip
+                logp=logp,
+                prox_logp=micro.prox_logp,
+                sampler_logp=micro.sampler_logp,
+                advantages=micro.advantages,
+                weights=micro.weights,
+                eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high,
+                tis_cap=cfg.tis_cap,
+                kl_coef=cfg.kl_coef,
+                ref_logp=micro.ref_logp,
+                agg=cfg.loss_agg,
+                denom=denom,
+            )
             loss.backward()
             share = float((micro.weights > 0).sum()) / n_tok  # token share of this micro-batch
             out["loss"] += loss.item()

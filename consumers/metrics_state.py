@@ -49,9 +49,7 @@ def _event_series() -> dict[str, Series]:
 
 HEALTH_SERIES = {
     "streamer_stream_length": Series("gauge", "entries in the stream (XLEN)", ("stream",)),
-    "streamer_stream_entries_added_total": Series(
-        "counter", "entries ever added to the stream", ("stream",)
-    ),
+    "streamer_stream_entries_added_total": Series("counter", "entries ever added to the stream", ("stream",)),
     "streamer_stream_group_lag": Series(
         "gauge", "entries not yet delivered to the group", ("stream", "group")
     ),
@@ -64,9 +62,7 @@ HEALTH_SERIES = {
     "streamer_stream_group_consumers": Series("gauge", "consumers in the group", ("stream", "group")),
     "streamer_dead_letters_total": Series("counter", "entries moved to the dead-letter stream"),
     "streamer_policy_version": Series("gauge", "newest policy version on the policy stream"),
-    "streamer_policy_age_seconds": Series(
-        "gauge", "seconds since the newest policy version was published"
-    ),
+    "streamer_policy_age_seconds": Series("gauge", "seconds since the newest policy version was published"),
     "streamer_train_seconds_since_last_step": Series("gauge", "seconds since the last trainer step"),
     "streamer_live_producers": Series("gauge", "producers with a heartbeat in the last 15 s"),
     "streamer_admitted_groups": Series("gauge", "admission slots held (groups admitted, not released)"),
@@ -101,17 +97,13 @@ class State:
         self.last_id = (0, 0)
         self.steps: dict[str, int] = {}  # axis -> step
         self.gauges: dict[str, float] = {}  # sample name -> latest value
-        self.counters = {
-            n: 0.0 for n, s in EVENT_SERIES.items() if s.kind == "counter" and not s.labels
-        }
+        self.counters = {n: 0.0 for n, s in EVENT_SERIES.items() if s.kind == "counter" and not s.labels}
         self.labelled: dict[tuple[str, str], float] = {}  # (sample name, producer) -> total
         self.events = {axis: 0 for axis in AXES}
         self.unknown: dict[str, str] = {}  # exported sanitised sample name -> help
         self.last_train_at: float | None = None
         self.unknown_names: set[tuple[str, str]] = set()  # (axis, name) not in the catalog
-        self._names: dict[
-            tuple[str, str], tuple[str, str] | None
-        ] = {}  # (axis, name) -> (sample, kind)
+        self._names: dict[tuple[str, str], tuple[str, str] | None] = {}  # (axis, name) -> (sample, kind)
         self._producers: dict[str, str] = {}  # source -> label value
         self._warned: set[tuple[str, str]] = set()
 
@@ -178,9 +170,7 @@ class State:
         elif len(self.unknown) >= MAX_UNKNOWN_NAMES:
             why = f"more than {MAX_UNKNOWN_NAMES} unknown names"
         if why:
-            log.warning(
-                "%s metric %r is not in schemas/metric_names.py and %s: ignored", axis, name, why
-            )
+            log.warning("%s metric %r is not in schemas/metric_names.py and %s: ignored", axis, name, why)
             return None
         log.warning(
             "%s metric %r is not in schemas/metric_names.py: exported as gauge %s", axis, name, sample
@@ -232,9 +222,7 @@ def _help(name: str) -> str:
     return SERIES[name].help
 
 
-def gauge(
-    name: str, value: float | None, *, help_: str | None = None, labels=None
-) -> GaugeMetricFamily:
+def gauge(name: str, value: float | None, *, help_: str | None = None, labels=None) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, help_ or _help(name), value=value, labels=labels)
 
 
@@ -274,9 +262,7 @@ def _health_families(h: Snapshot, now: float, last_train_at: float | None) -> li
         out.append(gauge("streamer_policy_age_seconds", max(0.0, now - h.policy.at)))
     if h.admission_limit is not None:
         out.append(gauge("streamer_admission_limit_groups", h.admission_limit))
-    last = max(
-        [t for t in (last_train_at, h.policy.at if h.policy else None) if t is not None], default=None
-    )
+    last = max([t for t in (last_train_at, h.policy.at if h.policy else None) if t is not None], default=None)
     if last is not None:
         out.append(gauge("streamer_train_seconds_since_last_step", max(0.0, now - last)))
     return out

@@ -54,9 +54,16 @@ class Trainer:
     """The step loop around a :class:`Learner`; owns the stream, weights and checkpoints."""
 
     def __init__(
-        self, cfg: RunConfig, client, keys: Keys, learner: Learner, *,
-        stop: threading.Event, name: str = CONSUMER_NAME, group_filter: GroupFilter | None = None,
-    ):  # fmt: skip
+        self,
+        cfg: RunConfig,
+        client,
+        keys: Keys,
+        learner: Learner,
+        *,
+        stop: threading.Event,
+        name: str = CONSUMER_NAME,
+        group_filter: GroupFilter | None = None,
+    ):
         self.cfg, self.tc, self.client, self.keys = cfg, cfg.trainer, client, keys
         self.learner, self.stop, self.name = learner, stop, name
         self.group_filter = group_filter or GroupFilter.from_config(self.tc)  # before any write
@@ -70,9 +77,12 @@ class Trainer:
         self.trained: list[tuple[str, str]] = []  # (entry id, group id) since the last checkpoint
         self.feeder: Feeder | None = None
         self.versions = VersionPublisher(
-            client, keys, root=cfg.weights_dir, keep_versions=self.tc.keep_versions,
+            client,
+            keys,
+            root=cfg.weights_dir,
+            keep_versions=self.tc.keep_versions,
             protect=lambda: self.checkpointed_version,
-        )  # fmt: skip
+        )
 
     @property
     def step(self) -> int:
@@ -89,9 +99,15 @@ class Trainer:
         self.admission.publish_limits(max_staleness=tc.max_staleness, groups_per_step=tc.groups_per_step)
         vocab = self.learner.model.get_input_embeddings().num_embeddings
         consumer = Consumer(
-            self.client, self.keys, self.keys.traj, TRAINER_GROUP, self.name,
-            as_type=TrajectoryGroup, cfg=self.cfg.bus, validate=partial(unusable, vocab_size=vocab),
-        )  # fmt: skip
+            self.client,
+            self.keys,
+            self.keys.traj,
+            TRAINER_GROUP,
+            self.name,
+            as_type=TrajectoryGroup,
+            cfg=self.cfg.bus,
+            validate=partial(unusable, vocab_size=vocab),
+        )
         self._ack_covered_pending()
         tc = self.tc
         self.feeder = Feeder(
@@ -132,9 +148,13 @@ class Trainer:
         if self.high_water == "0-0":
             return
         rows = self.client.xpending_range(
-            self.keys.traj, TRAINER_GROUP, min="-", max=self.high_water, count=1_000_000,
+            self.keys.traj,
+            TRAINER_GROUP,
+            min="-",
+            max=self.high_water,
+            count=1_000_000,
             consumername=self.name,
-        )  # fmt: skip
+        )
         ids = [r["message_id"] for r in rows]
         if ids:
             self.client.xack(self.keys.traj, TRAINER_GROUP, *ids)
@@ -218,9 +238,17 @@ class Trainer:
         log.info(
             "step %d v%d loss %.4f reward %.3f staleness %.1f rejected %d "
             "step %.2fs wait %.2fs sync %.2fs (blocked %.2fs)",
-            self.step, self.version, stats["loss"], values["reward_mean"], values["staleness_mean"],
-            sum(rejected.values()), step_seconds, waited, self.versions.last_seconds, blocked,
-        )  # fmt: skip
+            self.step,
+            self.version,
+            stats["loss"],
+            values["reward_mean"],
+            values["staleness_mean"],
+            sum(rejected.values()),
+            step_seconds,
+            waited,
+            self.versions.last_seconds,
+            blocked,
+        )
 
     # ------------------------------------------------------------ outputs
 
@@ -234,10 +262,16 @@ class Trainer:
         self.versions.drain()  # its version is published before a checkpoint names it
         entry_ids = [e for e, _ in self.trained]
         meta = checkpoint.save(
-            self.cfg.checkpoint_dir, model=self.learner.model, optimizer=self.learner.optimizer,
-            step=self.step, version=self.version, parent=self.parent, high_water=self.high_water,
-            group_ids=[g for _, g in self.trained], entry_ids=entry_ids,
-        )  # fmt: skip
+            self.cfg.checkpoint_dir,
+            model=self.learner.model,
+            optimizer=self.learner.optimizer,
+            step=self.step,
+            version=self.version,
+            parent=self.parent,
+            high_water=self.high_water,
+            group_ids=[g for _, g in self.trained],
+            entry_ids=entry_ids,
+        )
         self.parent, self.checkpointed_version, self.trained = meta.name, meta.version, []
         if entry_ids:
             ack = lambda: self.client.xack(self.keys.traj, TRAINER_GROUP, *entry_ids)  # noqa: E731

@@ -243,12 +243,18 @@ def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
 
 def _variables() -> list[dict]:
     job = {
-        "name": "job", "label": "Job", "type": "query", "datasource": DATASOURCE,
+        "name": "job",
+        "label": "Job",
+        "type": "query",
+        "datasource": DATASOURCE,
         "query": {"query": "label_values(streamer_exporter_events_total, job)", "refId": "job"},
         "definition": "label_values(streamer_exporter_events_total, job)",
-        "includeAll": True, "multi": True, "allValue": ".+", "refresh": 2,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".+",
+        "refresh": 2,
         "current": {"selected": True, "text": "All", "value": "$__all"},
-    }  # fmt: skip
+    }
     source = {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus"}
     return [source, job]
 
@@ -257,8 +263,16 @@ def render() -> dict:
     """The dashboard JSON (deterministic: same description, same bytes)."""
     panels, pid, y = [], 1, 0
     for title, row in ROWS:
-        panels.append({"id": pid, "type": "row", "title": title, "collapsed": False,
-                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})  # fmt: skip
+        panels.append(
+            {
+                "id": pid,
+                "type": "row",
+                "title": title,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+                "panels": [],
+            }
+        )
         pid, y, x, row_h = pid + 1, y + 1, 0, 0
         for p in row:
             if x + p.width > 24:

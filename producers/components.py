@@ -28,8 +28,15 @@ class Task:
     reward_path: str
 
 
-def load_task(cfg: RunConfig, *, dataset: str, split: str = "train", tokenizer=None,
-              extra_stop_ids=(), rows: list[dict] | None = None) -> Task:  # fmt: skip
+def load_task(
+    cfg: RunConfig,
+    *,
+    dataset: str,
+    split: str = "train",
+    tokenizer=None,
+    extra_stop_ids=(),
+    rows: list[dict] | None = None,
+) -> Task:
     """Rows of ``dataset``, rendered with the model's tokenizer, scored by the reward."""
     rows = rows if rows is not None else load_rows(dataset, split=split)
     path = rewards.default_path(cfg.producer.reward, dataset)
@@ -65,8 +72,12 @@ def build(cfg: RunConfig):
 
     task = load_task(cfg, dataset=p.dataset, tokenizer=tokenizer, rows=rows)
     sampler = RemoteSampler(
-        base_url=p.remote_url, model=p.remote_model or cfg.model.name_or_path,
-        stop_ids=task.renderer.stop_ids, timeout=p.remote_timeout, retries=p.remote_retries,
-        concurrency=p.remote_concurrency, reload_endpoint=p.reload_endpoint,
-    )  # fmt: skip
+        base_url=p.remote_url,
+        model=p.remote_model or cfg.model.name_or_path,
+        stop_ids=task.renderer.stop_ids,
+        timeout=p.remote_timeout,
+        retries=p.remote_retries,
+        concurrency=p.remote_concurrency,
+        reload_endpoint=p.reload_endpoint,
+    )
     return task, sampler

@@ -38,17 +38,27 @@ def from_sampler(sampler) -> Backend:
 
     def backend(body: dict) -> list[Completion]:
         return sampler.sample(
-            body["prompt"], n=int(body.get("n", 1)), temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)), max_new_tokens=int(body.get("max_tokens", 16)),
+            body["prompt"],
+            n=int(body.get("n", 1)),
+            temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)),
+            max_new_tokens=int(body.get("max_tokens", 16)),
             seed=body.get("seed"),
-        )  # fmt: skip
+        )
 
     return backend
 
 
 class FakeCompletionsServer:
-    def __init__(self, backend: Backend, *, latency: float = 0.0, token_ids_field: bool = True,
-                 reload_path: str = "/update_weights_from_disk", host: str = "127.0.0.1"):  # fmt: skip
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        latency: float = 0.0,
+        token_ids_field: bool = True,
+        reload_path: str = "/update_weights_from_disk",
+        host: str = "127.0.0.1",
+    ):
         self.backend, self.latency, self.token_ids_field = backend, latency, token_ids_field
         self.reload_path = reload_path
         self.hold = threading.Event()
@@ -117,24 +127,34 @@ class FakeCompletionsServer:
             as_ids = bool(body.get("return_tokens_as_token_ids"))
             tokens = [f"token_id:{t}" if as_ids else f"<{t}>" for t in c.token_ids]
             choice = {
-                "index": i, "text": "", "finish_reason": c.finish_reason, "stop_reason": None,
+                "index": i,
+                "text": "",
+                "finish_reason": c.finish_reason,
+                "stop_reason": None,
                 "logprobs": {
-                    "text_offset": list(range(len(tokens))), "tokens": tokens,
+                    "text_offset": list(range(len(tokens))),
+                    "tokens": tokens,
                     "token_logprobs": list(c.logprobs),
                     "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, c.logprobs)],
                 },
-            }  # fmt: skip
+            }
             if self.token_ids_field and body.get("return_token_ids"):
                 choice["token_ids"] = list(c.token_ids)
                 choice["prompt_token_ids"] = None
             choices.append(choice)
         n_out = sum(len(c.token_ids) for c in completions)
         return {
-            "id": f"cmpl-{self.requests}", "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model", ""), "choices": choices,
-            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n_out,
-                      "total_tokens": len(body["prompt"]) + n_out},
-        }  # fmt: skip
+            "id": f"cmpl-{self.requests}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", ""),
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(body["prompt"]),
+                "completion_tokens": n_out,
+                "total_tokens": len(body["prompt"]) + n_out,
+            },
+        }
 
 
 def _handler(server: FakeCompletionsServer):
@@ -142,7 +162,7 @@ def _handler(server: FakeCompletionsServer):
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True  # headers and body go out as separate writes
 
-        def do_POST(self):  # noqa: N802 - http.server's naming
+        def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
             try:
                 body = json.loads(self.rfile.read(length) or b"{}")

@@ -53,8 +53,7 @@ class WeightFollower:
         except (StreamerError, OSError, RuntimeError, ValueError, KeyError) as e:
             self.failed.add(sync.version)
             self.errors += 1
-            log.error("cannot load policy version %d (%s); keeping version %d",
-                      sync.version, e, self.version)  # fmt: skip
+            log.error("cannot load policy version %d (%s); keeping version %d", sync.version, e, self.version)
             return False
         self.last_load_seconds = time.monotonic() - start
         self.loads += 1

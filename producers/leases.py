@@ -42,7 +42,9 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 
 # KEYS: cursor leases owner requeue slots admitted
 # ARGV: owner lease_seconds limit(-1 = none) sweep_batch
-_CLAIM = _NOW + """
+_CLAIM = (
+    _NOW
+    + """
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[4])
 for _, t in ipairs(expired) do
   redis.call('ZREM', KEYS[2], t)
@@ -63,13 +65,17 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ticket)
 redis.call('HSET', KEYS[3], ticket, ARGV[1])
 return tonumber(ticket)
 """
+)
 
 # KEYS: leases owner ; ARGV: ticket owner lease_seconds
-_RENEW = _NOW + """
+_RENEW = (
+    _NOW
+    + """
 if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[1])
 return 1
 """
+)
 
 # KEYS: owner slots admitted ; ARGV: ticket owner
 _HOLD_SLOT = """

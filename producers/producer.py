@@ -45,18 +45,32 @@ MAX_SAMPLER_FAILURES = 10  # consecutive failed groups before the producer gives
 class Producer:
     """One producer: the loop of `streamer produce`, usable in-process by tests."""
 
-    def __init__(self, cfg: RunConfig, *, client: redis.Redis, producer_id: str, task: Task,
-                 sampler, stop: threading.Event | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        client: redis.Redis,
+        producer_id: str,
+        task: Task,
+        sampler,
+        stop: threading.Event | None = None,
+    ):
         self.cfg, self.p, self.client, self.id = cfg, cfg.producer, client, producer_id
         self.task, self.sampler = task, sampler
         self.keys = Keys(cfg.run.name)
         self.stop = stop or threading.Event()
         self.order = Order(len(task.rows), seed=cfg.run.seed)
-        self.leases = Leases(client, self.keys, owner=producer_id, lease_seconds=self.p.lease_seconds,
-                             total_tickets=self.order.total_tickets(self.p.epochs))  # fmt: skip
+        self.leases = Leases(
+            client,
+            self.keys,
+            owner=producer_id,
+            lease_seconds=self.p.lease_seconds,
+            total_tickets=self.order.total_tickets(self.p.epochs),
+        )
         t = cfg.trainer
-        self.admission = Admission(client, self.keys, max_staleness=t.max_staleness,
-                                   groups_per_step=t.groups_per_step)  # fmt: skip
+        self.admission = Admission(
+            client, self.keys, max_staleness=t.max_staleness, groups_per_step=t.groups_per_step
+        )
         self.publisher = Publisher(client, self.keys, cfg.bus)
         self.follower = WeightFollower(client, self.keys, weights_dir=cfg.weights_dir, sampler=sampler)
         self.pending = Pending()
@@ -70,8 +84,14 @@ class Producer:
     def run(self) -> int:
         """Produce until done or stopped; 0 on a clean stop."""
         self._heartbeat.start()
-        log.info("producer %s: %d rows, G=%d, sampler %s, reward %s", self.id, len(self.task.rows),
-                 self.p.group_size, self.p.sampler, self.task.reward_path)  # fmt: skip
+        log.info(
+            "producer %s: %d rows, G=%d, sampler %s, reward %s",
+            self.id,
+            len(self.task.rows),
+            self.p.group_size,
+            self.p.sampler,
+            self.task.reward_path,
+        )
         try:
             while not self.stop.is_set():
                 if self.p.max_groups and self.published >= self.p.max_groups:
@@ -132,20 +152,33 @@ class Producer:
             return self._drop(ticket, failures=0)
         version = self.follower.version
         completions = self.sampler.sample(
-            prompt, n=self.p.group_size, temperature=self.p.temperature, top_p=self.p.top_p,
-            max_new_tokens=self.p.max_new_tokens, seed=_seed(self.cfg.run.seed, ticket),
-        )  # fmt: skip
+            prompt,
+            n=self.p.group_size,
+            temperature=self.p.temperature,
+            top_p=self.p.top_p,
+            max_new_tokens=self.p.max_new_tokens,
+            seed=_seed(self.cfg.run.seed, ticket),
+        )
         sample_seconds = time.monotonic() - start
         samples = [s for c in completions if (s := self._score(row, prompt, c, version)) is not None]
         failures = len(completions) - len(samples)
         if len(samples) < self.p.min_group_size:
-            log.warning("row %d: %d good samples < min_group_size %d; group dropped",
-                        pos.row, len(samples), self.p.min_group_size)  # fmt: skip
+            log.warning(
+                "row %d: %d good samples < min_group_size %d; group dropped",
+                pos.row,
+                len(samples),
+                self.p.min_group_size,
+            )
             return self._drop(ticket, failures=failures)
         group = TrajectoryGroup(
-            group_id=f"{pos.epoch}:{pos.row}", row=pos.row, epoch=pos.epoch, producer_id=self.id,
-            samples=samples, policy_version=min(s.version for s in samples), created_at=created,
-        )  # fmt: skip
+            group_id=f"{pos.epoch}:{pos.row}",
+            row=pos.row,
+            epoch=pos.epoch,
+            producer_id=self.id,
+            samples=samples,
+            policy_version=min(s.version for s in samples),
+            created_at=created,
+        )
         timings = Timings(sample_seconds, admission_wait, 0.0)
         return self._publish(ticket, group, failures=failures, timings=timings)
 
@@ -156,13 +189,18 @@ class Producer:
             text = self.task.renderer.decode(completion.token_ids)
             reward = score(self.task.reward_fn, row, text, completion)
         except Exception as e:  # a user function: anything it raises marks the sample failed
-            log.warning("reward %s raised %s: %s (sample dropped)",
-                        self.task.reward_path, type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "reward %s raised %s: %s (sample dropped)", self.task.reward_path, type(e).__name__, e
+            )
             return None
         return Sample.build(
-            prompt_ids=prompt, completion_ids=completion.token_ids, logprobs=completion.logprobs,
-            reward=reward, finish_reason=completion.finish_reason, version=version,
-        )  # fmt: skip
+            prompt_ids=prompt,
+            completion_ids=completion.token_ids,
+            logprobs=completion.logprobs,
+            reward=reward,
+            finish_reason=completion.finish_reason,
+            version=version,
+        )
 
     def _publish(self, ticket: int, group: TrajectoryGroup, *, failures: int, timings: Timings) -> str:
         waited = self.publisher.wait_for_room(self.stop.is_set)
@@ -269,8 +307,9 @@ def _seed(base: int, ticket: int) -> int:
 
 def main(cfg: RunConfig, args) -> int:
     producer_id = getattr(args, "id", None) or f"{socket.gethostname()}-{os.getpid()}"
-    client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout,
-                     name=f"producer-{producer_id}")  # fmt: skip
+    client = connect(
+        cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name=f"producer-{producer_id}"
+    )
     task, sampler = build(cfg)
     producer = Producer(cfg, client=client, producer_id=producer_id, task=task, sampler=sampler)
     _install_signals(producer)
@@ -287,8 +326,11 @@ def _install_signals(producer: Producer) -> None:
     def on_signal(signum, _frame):
         if producer.stop.is_set():
             return
-        log.info("%s: finishing the current row (grace %.0fs)", signal.Signals(signum).name,
-                 producer.p.shutdown_grace)  # fmt: skip
+        log.info(
+            "%s: finishing the current row (grace %.0fs)",
+            signal.Signals(signum).name,
+            producer.p.shutdown_grace,
+        )
         producer.stop.set()
         timer = threading.Timer(producer.p.shutdown_grace, _give_up, args=(producer,))
         timer.daemon = True  # a loop that ends in time exits without waiting for it

@@ -108,8 +108,9 @@ class RemoteSampler:
             if not retryable or attempt >= self.retries:
                 raise SamplerError(f"{self.base_url}{path}: {error} (after {attempt + 1} attempts)")
             delay = min(self.max_backoff, self.backoff * 2**attempt) * (0.5 + random.random() / 2)
-            log.warning("%s%s: %s; retry %d/%d in %.2fs", self.base_url, path, error,
-                        attempt + 1, self.retries, delay)  # fmt: skip
+            log.warning(
+                "%s%s: %s; retry %d/%d in %.2fs", self.base_url, path, error, attempt + 1, self.retries, delay
+            )
             time.sleep(delay)
             attempt += 1
 

@@ -37,7 +37,7 @@ def load(path: str) -> RewardFn:
     """Import ``"package.module:function"``; a ConfigError that says what is wrong."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"reward {path!r}: expected \"module:function\"")
+        raise ConfigError(f'reward {path!r}: expected "module:function"')
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -89,9 +89,13 @@ class LocalSampler:
 
     def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=None):
         return self.sample_many(
-            [prompt_ids], n=n, temperature=temperature, top_p=top_p,
-            max_new_tokens=max_new_tokens, seed=seed,
-        )[0]  # fmt: skip
+            [prompt_ids],
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+        )[0]
 
     def sample_many(
         self,
@@ -114,10 +118,16 @@ class LocalSampler:
         sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=not greedy,
-                max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-                return_dict_in_generate=True, output_scores=True, **sampling,
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=not greedy,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.pad_id,
+                return_dict_in_generate=True,
+                output_scores=True,
+                **sampling,
+            )
             new = out.sequences[:, ids.shape[1] :]  # (B, T)
             # scores[t] (B, V) are the processed logits step t sampled from; one step at a time
             # keeps memory at B x V instead of B x T x V
@@ -162,7 +172,7 @@ def check_fits(model, directory: Path) -> None:
     shapes = {}
     for f in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
-            shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+            shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})  # noqa: SIM118 (safe_open has no __iter__)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     unexpected = sorted(set(shapes) - set(expected))
     missing = [k for k in expected if k not in shapes and not _tied(model, k)]

@@ -18,8 +18,7 @@ MAX_PAYLOAD_BYTES = 256 * 1024 * 1024  # refuse absurd payloads before msgspec s
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[object, msgspec.msgpack.Decoder] = {
-    t: msgspec.msgpack.Decoder(t)
-    for t in (TrajectoryGroup, WeightSync, MetricsEvent, DeadLetter, Event)
+    t: msgspec.msgpack.Decoder(t) for t in (TrajectoryGroup, WeightSync, MetricsEvent, DeadLetter, Event)
 }
 
 

@@ -61,9 +61,7 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
         if not 0 < self.prompt_len < n_tok:
             raise ValueError(f"prompt_len {self.prompt_len} outside (0, {n_tok}) tokens")
         if n_lp != n_tok - self.prompt_len:
-            raise ValueError(
-                f"{n_lp} logprobs for {n_tok - self.prompt_len} completion tokens"
-            )
+            raise ValueError(f"{n_lp} logprobs for {n_tok - self.prompt_len} completion tokens")
         if self.mask is not None and len(self.mask) != n_lp:
             raise ValueError(f"mask has {len(self.mask)} entries for {n_lp} completion tokens")
         if not math.isfinite(self.reward):
@@ -147,9 +145,7 @@ class TrajectoryGroup(msgspec.Struct, frozen=True, tag="group", kw_only=True, gc
         _check_version("epoch", self.epoch)
         oldest = min(s.version for s in self.samples)
         if self.policy_version != oldest:
-            raise ValueError(
-                f"policy_version {self.policy_version} != oldest sample version {oldest}"
-            )
+            raise ValueError(f"policy_version {self.policy_version} != oldest sample version {oldest}")
 
     def rewards(self) -> np.ndarray:
         return np.array([s.reward for s in self.samples], np.float32)

@@ -34,7 +34,9 @@ TRAIN: dict[str, tuple[Kind, str]] = {
     "weight_sync_seconds": ("gauge", "time to write and publish the new weights"),
     "groups_accepted": ("counter", "groups trained"),
     "tokens": ("counter", "trained tokens"),
-    **{f"groups_rejected_{r}": ("counter", f"groups rejected: {r.replace('_', ' ')}") for r in REJECT_REASONS},
+    **{
+        f"groups_rejected_{r}": ("counter", f"groups rejected: {r.replace('_', ' ')}") for r in REJECT_REASONS
+    },
 }
 
 ROLLOUT: dict[str, tuple[Kind, str]] = {

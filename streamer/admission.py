@@ -58,9 +58,13 @@ class Admission:
         return granted > 0
 
     def wait(
-        self, stop: Callable[[], bool] = lambda: False, poll: float = 0.05, *,
-        ticket: int | None = None, owner: str = "",
-    ) -> float | None:  # fmt: skip
+        self,
+        stop: Callable[[], bool] = lambda: False,
+        poll: float = 0.05,
+        *,
+        ticket: int | None = None,
+        owner: str = "",
+    ) -> float | None:
         """Block until a slot is granted; returns seconds waited, or None if ``stop()``."""
         start, delay = time.monotonic(), poll
         while not self.try_admit(ticket, owner):

@@ -100,9 +100,7 @@ def check_server(client: redis.Redis, url: str) -> tuple[int, ...]:
     version = tuple(int(p) for p in raw.split(".")[:3] if p.isdigit())
     # valkey reports redis_version 7.2.4 for compatibility; either way it must be >= 6.2
     if version[:2] < MIN_SERVER:
-        raise ServerError(
-            f"server at {redact(url)} is version {raw}; streamer needs >= 6.2 (XAUTOCLAIM)"
-        )
+        raise ServerError(f"server at {redact(url)} is version {raw}; streamer needs >= 6.2 (XAUTOCLAIM)")
     return version
 
 
@@ -248,9 +246,12 @@ class Consumer(Generic[T]):
             self._next_claim = time.monotonic() + self.cfg.claim_idle_seconds / 4
         block_s = self.cfg.block_seconds if block is None else block
         resp = self.client.xreadgroup(
-            self.group, self.name, {self.stream: ">"}, count=count,
+            self.group,
+            self.name,
+            {self.stream: ">"},
+            count=count,
             block=int(block_s * 1000) if block_s > 0 else None,
-        )  # fmt: skip
+        )
         entries = resp[0][1] if resp else []
         return self._accept(entries, history=False)
 
@@ -259,9 +260,7 @@ class Consumer(Generic[T]):
         return int(self.client.xack(self.stream, self.group, *ids)) if ids else 0
 
     def _read_history(self, count: int) -> list:
-        resp = self.client.xreadgroup(
-            self.group, self.name, {self.stream: self._pending_cursor}, count=count
-        )
+        resp = self.client.xreadgroup(self.group, self.name, {self.stream: self._pending_cursor}, count=count)
         entries = resp[0][1] if resp else []
         if entries:
             self._pending_cursor = _s(entries[-1][0])
@@ -318,9 +317,12 @@ class Consumer(Generic[T]):
         for entry_id, payload, reason in dead:
             log.warning("%s %s -> dead letter: %s", self.stream, entry_id, reason)
             letter = DeadLetter(
-                stream=self.stream, entry_id=entry_id, raw=bytes(payload), reason=reason,
+                stream=self.stream,
+                entry_id=entry_id,
+                raw=bytes(payload),
+                reason=reason,
                 consumer=f"{self.group}/{self.name}",
-            )  # fmt: skip
+            )
             pipe.xadd(self.keys.dead, {FIELD: encode(letter)}, maxlen=DEAD_MAXLEN, approximate=True)
             pipe.xack(self.stream, self.group, entry_id)
         pipe.execute()

@@ -100,7 +100,7 @@ class ProducerSection(_Section):
         if self.min_group_size > self.group_size:
             raise ValueError("`min_group_size` must be <= `group_size`")
         if self.sampler == "remote" and not self.remote_url:
-            raise ValueError("`remote_url` is required when `sampler` is \"remote\"")
+            raise ValueError('`remote_url` is required when `sampler` is "remote"')
 
 
 class TrainerSection(_Section):
@@ -220,8 +220,7 @@ def parse_config(raw: bytes | str, *, source: str = "<config>") -> RunConfig:
 def replace(cfg: RunConfig, **sections: dict) -> RunConfig:
     """Copy ``cfg`` with fields of sections replaced: ``replace(cfg, trainer={"steps": 5})``."""
     changes = {
-        name: msgspec.structs.replace(getattr(cfg, name), **fields)
-        for name, fields in sections.items()
+        name: msgspec.structs.replace(getattr(cfg, name), **fields) for name, fields in sections.items()
     }
     return msgspec.structs.replace(cfg, **changes)
 

@@ -30,9 +30,7 @@ def render() -> str:
             typ, doc = notes.get(f.name, ("", ""))
             default = getattr(obj, f.name)
             lines.append(
-                f"| `{section.name}.{f.name}` | `{typ}` | `{default!r}` | {doc} |".replace(
-                    "`''`", '`""`'
-                )
+                f"| `{section.name}.{f.name}` | `{typ}` | `{default!r}` | {doc} |".replace("`''`", '`""`')
             )
     return "\n".join(lines)
 

@@ -36,10 +36,17 @@ def config():
     return replace(
         RunConfig(),
         producer={"group_size": 16, "max_new_tokens": 2, "reward": "streamer.demo:reward"},
-        trainer={"steps": STEPS, "groups_per_step": 8, "lr": 1e-3, "max_staleness": 1,
-                 "ppo_minibatches": 2, "overlong": "keep", "checkpoint_every": 20},
+        trainer={
+            "steps": STEPS,
+            "groups_per_step": 8,
+            "lr": 1e-3,
+            "max_staleness": 1,
+            "ppo_minibatches": 2,
+            "overlong": "keep",
+            "checkpoint_every": 20,
+        },
         eval={"eval_every": 10, "max_new_tokens": 2},
-    )  # fmt: skip
+    )
 
 
 def rows(split: str = "train") -> list[dict]:

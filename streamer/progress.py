@@ -22,9 +22,7 @@ THRESHOLD = 0.8  # the demo's goal for the moving reward and eval accuracy
 
 
 class Progress:
-    def __init__(
-        self, cfg: RunConfig, *, target_steps: int, live: bool = True, started: float | None = None
-    ):
+    def __init__(self, cfg: RunConfig, *, target_steps: int, live: bool = True, started: float | None = None):
         self.keys = Keys(cfg.run.name)
         self.client = connect(cfg.run.redis_url, socket_timeout=cfg.bus.socket_timeout)
         self.tail = Tail(self.client, self.keys.metrics, as_type=MetricsEvent)
@@ -121,7 +119,6 @@ class Progress:
             f"  weights            {weights_dir}",
         ]
         return "\n".join(lines)
-
 
     def record(self, path, elapsed: float) -> None:
         """The run's curve as JSON (reward per sampling version, eval per version)."""

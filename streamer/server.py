@@ -72,15 +72,23 @@ class EmbeddedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             str(valkey_binary()),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes",
-            "--appendfsync", self.appendfsync,
-            "--save", "",
-            "--daemonize", "no",
-            "--logfile", str(self.data_dir / "valkey.log"),
-        ]  # fmt: skip
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.data_dir / "valkey.log"),
+        ]
         if self.socket_path:
             args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         if self.password:

@@ -15,13 +15,22 @@ def round_trip(url: str, keys: Keys, cfg) -> list[str]:
     client = connect(url, socket_timeout=cfg.socket_timeout)
     pub = Publisher(client, keys, cfg)
     sample = Sample.build(
-        prompt_ids=[1, 2, 3], completion_ids=[4, 5], logprobs=[-0.5, -0.25],
-        reward=1.0, finish_reason="stop", version=0,
-    )  # fmt: skip
+        prompt_ids=[1, 2, 3],
+        completion_ids=[4, 5],
+        logprobs=[-0.5, -0.25],
+        reward=1.0,
+        finish_reason="stop",
+        version=0,
+    )
     group = TrajectoryGroup(
-        group_id="smoke-0", row=0, epoch=0, producer_id="smoke",
-        samples=[sample, sample], policy_version=0, created_at=time.time(),
-    )  # fmt: skip
+        group_id="smoke-0",
+        row=0,
+        epoch=0,
+        producer_id="smoke",
+        samples=[sample, sample],
+        policy_version=0,
+        created_at=time.time(),
+    )
     sync = WeightSync(version=1, step=1, uri="file:///dev/null", sha256="0" * 64)
     metric = MetricsEvent(axis="train", step=1, values={"loss": 0.5}, source="smoke")
     pub.publish(keys.traj, group)
@@ -48,5 +57,10 @@ def main(cfg, args) -> int:
         finally:
             if server:
                 server.stop()
-    print("smoke ok:", ", ".join(names), "round-tripped through", "the embedded server" if server else "the server")
+    print(
+        "smoke ok:",
+        ", ".join(names),
+        "round-tripped through",
+        "the embedded server" if server else "the server",
+    )
     return 0

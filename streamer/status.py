@@ -128,8 +128,7 @@ def snapshot(
         if isinstance(r, Exception) and not _missing(r):
             raise r
     streams = [
-        _stream(client, name, key, res[2 * i], res[2 * i + 1])
-        for i, (name, key) in enumerate(named.items())
+        _stream(client, name, key, res[2 * i], res[2 * i + 1]) for i, (name, key) in enumerate(named.items())
     ]
     policy_rows, beats, live, known, dead_rows, admitted, limits, version = res[2 * len(named) :]
     limits = {_s(k): int(v) for k, v in (limits or {}).items()}
@@ -313,19 +312,13 @@ def render(snap: Snapshot) -> str:
     if snap.producers:
         lines += _table(
             ("PRODUCER", "LAST BEAT", "STATE"),
-            [
-                (q.id, f"{_age(q.age_seconds)} ago", "live" if q.live else "gone")
-                for q in snap.producers
-            ],
+            [(q.id, f"{_age(q.age_seconds)} ago", "live" if q.live else "gone") for q in snap.producers],
         )
     lines.append(f"dead letters {snap.dead_letters}")
     if snap.dead_last:
         lines += _table(
             ("WHEN", "STREAM", "ENTRY", "REASON"),
-            [
-                (f"{_age(snap.at - d.at)} ago", d.stream, d.entry_id, d.reason[:100])
-                for d in snap.dead_last
-            ],
+            [(f"{_age(snap.at - d.at)} ago", d.stream, d.entry_id, d.reason[:100]) for d in snap.dead_last],
         )
     lines.append("STALLED: " + "; ".join(snap.reasons) if snap.stalled else "status      ok")
     return "\n".join(lines)

@@ -45,9 +45,13 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True,  # Ctrl-C reaches `up`, which stops us in order
-            )  # fmt: skip
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # Ctrl-C reaches `up`, which stops us in order
+            )
 
     def exited(self) -> int | None:
         return self.proc.poll() if self.proc else None
@@ -67,9 +71,7 @@ class Child:
     def tail(self, lines: int = 15) -> str:
         try:
             with open(self.log_path, "rb") as f:
-                return "".join(
-                    line.decode(errors="replace") for line in deque(f, maxlen=lines)
-                )
+                return "".join(line.decode(errors="replace") for line in deque(f, maxlen=lines))
         except OSError:
             return ""
 
@@ -156,11 +158,12 @@ def main(cfg: RunConfig, args) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // compute)))
     logs = cfg.log_dir
     specs = [("metrics", _role_argv("metrics", cfg, args, "--port", str(port)))]
-    specs.append(("train", _role_argv("train", cfg, args, *(["--steps", str(args.steps)] if args.steps else []))))
+    specs.append(
+        ("train", _role_argv("train", cfg, args, *(["--steps", str(args.steps)] if args.steps else [])))
+    )
     specs.append(("eval", _role_argv("eval", cfg, args)))
     specs += [
-        (f"produce-{i}", _role_argv("produce", cfg, args, "--id", f"p{i}"))
-        for i in range(args.producers)
+        (f"produce-{i}", _role_argv("produce", cfg, args, "--id", f"p{i}")) for i in range(args.producers)
     ]
     for name, argv in specs:
         stack.children[name] = Child(name, argv, logs / f"{name}.log")
@@ -177,9 +180,7 @@ def main(cfg: RunConfig, args) -> int:
         stop_requested.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = Progress(
-        cfg, target_steps=args.steps or steps, live=not args.no_progress, started=started
-    )
+    progress = Progress(cfg, target_steps=args.steps or steps, live=not args.no_progress, started=started)
     code, summary = 0, ""
     try:
         code = _supervise(stack, progress, stop_requested)
@@ -201,8 +202,11 @@ def main(cfg: RunConfig, args) -> int:
     failed = stack.failed()
     if failed is not None:
         code = 1
-        print(f"\nstreamer up: {failed.name} exited with code {failed.exited()}; last lines of "
-              f"{failed.log_path}:\n{failed.tail()}", file=sys.stderr)  # fmt: skip
+        print(
+            f"\nstreamer up: {failed.name} exited with code {failed.exited()}; last lines of "
+            f"{failed.log_path}:\n{failed.tail()}",
+            file=sys.stderr,
+        )
     print(summary)
     return 130 if stop_requested.is_set() and code == 0 else code
 

@@ -133,8 +133,7 @@ def load_into(model, directory: Path) -> None:
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise WeightsError(
-            f"weights in {directory} do not fit the model: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+            f"weights in {directory} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     if tied:
         model.tie_weights()

@@ -6,24 +6,34 @@ import random
 
 import pytest
 import torch
+from trainer_data import make_group
 
 from consumers.batch import collate
 from schemas import Sample, TrajectoryGroup
-from trainer_data import make_group
 
 
 def _group(samples, gid="g") -> TrajectoryGroup:
     return TrajectoryGroup(
-        group_id=gid, row=0, epoch=0, producer_id="t", samples=samples,
-        policy_version=min(s.version for s in samples), created_at=0.0,
-    )  # fmt: skip
+        group_id=gid,
+        row=0,
+        epoch=0,
+        producer_id="t",
+        samples=samples,
+        policy_version=min(s.version for s in samples),
+        created_at=0.0,
+    )
 
 
 def _sample(prompt, completion, logprobs, *, reward, version=0, mask=None) -> Sample:
     return Sample.build(
-        prompt_ids=prompt, completion_ids=completion, logprobs=logprobs, reward=reward,
-        finish_reason="stop", version=version, mask=mask,
-    )  # fmt: skip
+        prompt_ids=prompt,
+        completion_ids=completion,
+        logprobs=logprobs,
+        reward=reward,
+        finish_reason="stop",
+        version=version,
+        mask=mask,
+    )
 
 
 def test_alignment_with_different_prompt_lengths():

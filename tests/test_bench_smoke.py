@@ -28,9 +28,12 @@ RATIO = re.compile(r"^ratios: (\S+=\d+\.\d\dx.*)$")
 def test_bench_quick_prints_ratios(script, expected):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), "--quick"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     last = proc.stdout.strip().splitlines()[-1]
     match = RATIO.match(last)

@@ -20,13 +20,22 @@ FAST = BusSection(block_seconds=0.2, socket_timeout=5.0, claim_idle_seconds=0.2,
 
 def group(i: int, version: int = 0) -> TrajectoryGroup:
     s = Sample.build(
-        prompt_ids=[1, 2, 3], completion_ids=[4, 5, i % 7 + 6], logprobs=[-0.5, -0.25, -1.0],
-        reward=float(i % 2), finish_reason="stop", version=version,
-    )  # fmt: skip
+        prompt_ids=[1, 2, 3],
+        completion_ids=[4, 5, i % 7 + 6],
+        logprobs=[-0.5, -0.25, -1.0],
+        reward=float(i % 2),
+        finish_reason="stop",
+        version=version,
+    )
     return TrajectoryGroup(
-        group_id=f"g{i}", row=i, epoch=0, producer_id="test", samples=[s, s],
-        policy_version=version, created_at=time.time(),
-    )  # fmt: skip
+        group_id=f"g{i}",
+        row=i,
+        epoch=0,
+        producer_id="test",
+        samples=[s, s],
+        policy_version=version,
+        created_at=time.time(),
+    )
 
 
 def consumer(client, keys, name="c1", cfg=FAST) -> Consumer:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from trainer_data import make_group, policy_versions, publish, start_trainer, wait_until, write_config
 
 from consumers import checkpoint
 from consumers.batch import collate
@@ -18,7 +19,6 @@ from streamer import demo
 from streamer.bus import connect
 from streamer.config import TrainerSection
 from streamer.keys import TRAINER_GROUP, Keys
-from trainer_data import make_group, policy_versions, publish, start_trainer, wait_until, write_config
 
 CFG = TrainerSection(lr=1e-2, ppo_minibatches=2)
 
@@ -34,9 +34,16 @@ def _learner(seed: int = 0) -> Learner:
 
 def _save(root, learner, *, step, version, parent=None, groups=("g",)):
     return checkpoint.save(
-        root, model=learner.model, optimizer=learner.optimizer, step=step, version=version,
-        parent=parent, high_water=f"{version}-0", group_ids=list(groups), entry_ids=[f"{version}-0"],
-    )  # fmt: skip
+        root,
+        model=learner.model,
+        optimizer=learner.optimizer,
+        step=step,
+        version=version,
+        parent=parent,
+        high_water=f"{version}-0",
+        group_ids=list(groups),
+        entry_ids=[f"{version}-0"],
+    )
 
 
 def test_round_trip_is_exact(tmp_path):
@@ -132,14 +139,22 @@ def test_sigkill_at_random_points_trains_each_group_exactly_once(private_valkey,
     for g in bad:
         stream.insert(rng.randrange(len(stream)), g)
     publish(client, keys.traj, stream)
-    config = write_config(tmp_path / "run.toml", {
-        "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
-        "bus": {"max_deliveries": 50},
-        "trainer": {
-            "groups_per_step": per_step, "steps": steps, "checkpoint_every": 2, "max_staleness": 1000,
-            "lr": 1e-3, "keep_checkpoints": 1, "keep_versions": 2,
+    config = write_config(
+        tmp_path / "run.toml",
+        {
+            "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
+            "bus": {"max_deliveries": 50},
+            "trainer": {
+                "groups_per_step": per_step,
+                "steps": steps,
+                "checkpoint_every": 2,
+                "max_staleness": 1000,
+                "lr": 1e-3,
+                "keep_checkpoints": 1,
+                "keep_versions": 2,
+            },
         },
-    })  # fmt: skip
+    )
     ckpt_dir = tmp_path / "data" / keys.run / "checkpoints"
     log = tmp_path / "trainer.log"
     persisted: list[str] = []
@@ -148,9 +163,12 @@ def test_sigkill_at_random_points_trains_each_group_exactly_once(private_valkey,
         proc = start_trainer(config, private_valkey.url, log)
         target = before + 1 + rng.randint(2, 5)  # the restored weights, then 2-5 steps
         wait_until(
-            lambda: client.xlen(keys.policy) >= target,
-            timeout=90, what=f"{target} weight syncs", proc=proc, log=log,
-        )  # fmt: skip
+            lambda target=target: client.xlen(keys.policy) >= target,
+            timeout=90,
+            what=f"{target} weight syncs",
+            proc=proc,
+            log=log,
+        )
         time.sleep(rng.uniform(0.0, 0.05))  # a random point of the step/sync/checkpoint cycle
         proc.kill()
         proc.wait(30)

@@ -38,7 +38,10 @@ def test_a_full_file_parses(tmp_path):
         ("[nope]\n", "unknown key `nope`"),
         ('[trainer]\ngroups_per_step = "8"\n', "key `trainer.groups_per_step`: Expected `int`, got `str`"),
         ("[producer]\ngroup_size = 0\n", "key `producer.group_size`: must be > 0"),
-        ("[producer]\ngroup_size = 2\nmin_group_size = 4\n", "key `producer.min_group_size`: must be <= `group_size`"),
+        (
+            "[producer]\ngroup_size = 2\nmin_group_size = 4\n",
+            "key `producer.min_group_size`: must be <= `group_size`",
+        ),
         ('[producer]\nsampler = "remote"\n', "key `producer.remote_url`: is required"),
         ('[trainer]\nloss_agg = "median"\n', "key `trainer.loss_agg`: Invalid enum value 'median'"),
         ("[bus]\nblock_seconds = 30.0\n", "key `bus.socket_timeout`"),
@@ -63,8 +66,10 @@ def test_cli_exits_2_with_one_line_naming_the_key(tmp_path):
     p.write_text("[trainer]\nmax_staleness = -1\n")
     r = subprocess.run(
         [sys.executable, "-m", "streamer", "smoke", "--config", str(p)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
         f"streamer smoke: config error: {p}: key `trainer.max_staleness`: must be >= 0, got -1"

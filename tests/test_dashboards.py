@@ -41,9 +41,7 @@ def test_check_fails_on_unknown_series(tmp_path):
     board = copy.deepcopy(dashboards.render())
     (panel,) = [p for p in board["panels"] if p["title"] == "Rollout reward (5m)"]
     target = panel["targets"][0]
-    target["expr"] = target["expr"].replace(
-        "streamer_rollout_reward_mean", "streamer_rollout_reward_avg"
-    )
+    target["expr"] = target["expr"].replace("streamer_rollout_reward_mean", "streamer_rollout_reward_avg")
     errors = dashboards.check(board, SERIES)
     assert len(errors) == 1 and "unknown series streamer_rollout_reward_avg" in errors[0], errors
 
@@ -55,10 +53,17 @@ def test_check_fails_on_unknown_series(tmp_path):
 
 
 def test_check_fails_on_unknown_label_and_missing_file(tmp_path):
-    board = {"panels": [{"title": "x", "targets": [
-        {"expr": 'sum by (reason) (streamer_train_loss{job=~"$job"})'},
-        {"expr": "vector(1)"},
-    ]}]}  # fmt: skip
+    board = {
+        "panels": [
+            {
+                "title": "x",
+                "targets": [
+                    {"expr": 'sum by (reason) (streamer_train_loss{job=~"$job"})'},
+                    {"expr": "vector(1)"},
+                ],
+            }
+        ]
+    }
     errors = dashboards.check(board, SERIES)
     assert any("label(s) reason" in e for e in errors), errors
     assert any("queries no streamer_ series" in e for e in errors), errors
@@ -71,11 +76,26 @@ def test_rows_and_required_panels():
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert rows == ["Overview", "Training", "Rollout", "Eval", "Pipeline"]
     exprs = " ".join(e for _, e in dashboards.queries(board))
-    required = """train_loss train_kl train_entropy train_clip_fraction train_grad_norm train_lr
-        rollout_reward_mean rollout_response_length_mean rollout_truncated_ratio
-        rollout_admission_wait_seconds eval_accuracy stream_group_lag stream_group_pending
-        dead_letters_total train_weight_sync_seconds policy_version train_seconds_since_last_step
-        stream_entries_added_total""".split()
+    required = [
+        "train_loss",
+        "train_kl",
+        "train_entropy",
+        "train_clip_fraction",
+        "train_grad_norm",
+        "train_lr",
+        "rollout_reward_mean",
+        "rollout_response_length_mean",
+        "rollout_truncated_ratio",
+        "rollout_admission_wait_seconds",
+        "eval_accuracy",
+        "stream_group_lag",
+        "stream_group_pending",
+        "dead_letters_total",
+        "train_weight_sync_seconds",
+        "policy_version",
+        "train_seconds_since_last_step",
+        "stream_entries_added_total",
+    ]
     for name in required:
         assert f"streamer_{name}" in exprs, name
     assert "sum by (producer)" in exprs  # throughput per producer

@@ -50,8 +50,9 @@ def _steps(client, keys) -> list[int]:
 
 
 def _sync(client, keys, cfg, version: int, *, seed: int | None = None, sha: str | None = None) -> None:
-    uri, digest = weights.write_version(demo.build_model(seed=version if seed is None else seed),
-                                        cfg.weights_dir, version)  # fmt: skip
+    uri, digest = weights.write_version(
+        demo.build_model(seed=version if seed is None else seed), cfg.weights_dir, version
+    )
     event = WeightSync(version=version, step=version, uri=uri, sha256=sha or digest)
     client.xadd(keys.policy, {b"d": encode(event)})
 
@@ -107,10 +108,14 @@ def test_streamer_eval_follows_versions_and_stops_on_sigterm(client, keys, redis
         "[eval]\nmax_rows = 10\nmax_new_tokens = 3\neval_every = 1\n[producer]\ntorch_threads = 1\n"
         "[bus]\nblock_seconds = 0.5\nsocket_timeout = 5.0\n"
     )
-    log = open(tmp_path / "eval.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "streamer", "eval", "--config", str(config)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    with open(tmp_path / "eval.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamer", "eval", "--config", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
     cfg = replace(RunConfig(), run={"name": keys.run, "data_dir": str(tmp_path)})
     try:
         _wait_for(lambda: _steps(client, keys) == [0], 90, "version 0 evaluated", tmp_path)

@@ -58,9 +58,7 @@ def drain(ex: Exporter, expect_events: int) -> None:
     """Consume until the exporter has applied ``expect_events`` in all (bounded)."""
     deadline = time.monotonic() + 10
     while sum(ex.state.events.values()) < expect_events:
-        assert time.monotonic() < deadline, (
-            f"applied {ex.state.events}, expected {expect_events} events"
-        )
+        assert time.monotonic() < deadline, f"applied {ex.state.events}, expected {expect_events} events"
         ex.consume(block=0.1)
 
 
@@ -139,9 +137,7 @@ def test_events_in_exact_series_out(exporter, client, keys, caplog):
 def test_stream_health_series(exporter, client, keys):
     pub = Publisher(client, keys, RunConfig().bus)
     now = time.time()
-    pub.publish(
-        keys.policy, WeightSync(version=4, step=4, uri="file:///w", sha256="0" * 64, at=now - 2.0)
-    )
+    pub.publish(keys.policy, WeightSync(version=4, step=4, uri="file:///w", sha256="0" * 64, at=now - 2.0))
     pub.publish_many(keys.traj, [ev("train", 0, "x")] * 3)  # any bytes: only counted here
     client.xgroup_create(keys.traj, "trainer", id="0")
     client.xreadgroup("trainer", "t1", {keys.traj: ">"}, count=1)  # 1 pending, 2 lag
@@ -158,9 +154,7 @@ def test_stream_health_series(exporter, client, keys):
     assert s[("streamer_stream_entries_added_total", (("stream", "traj"),))] == 3
     assert s[("streamer_stream_group_lag", (("group", "trainer"), ("stream", "traj")))] == 2
     assert s[("streamer_stream_group_pending", (("group", "trainer"), ("stream", "traj")))] == 1
-    assert (
-        s[("streamer_stream_group_entries_read_total", (("group", "trainer"), ("stream", "traj")))] == 1
-    )
+    assert s[("streamer_stream_group_entries_read_total", (("group", "trainer"), ("stream", "traj")))] == 1
     assert s[("streamer_stream_group_lag", (("group", METRICS_GROUP), ("stream", "metrics")))] == 1
     assert s[("streamer_dead_letters_total", ())] == 1
     assert s[("streamer_policy_version", ())] == 4
@@ -197,9 +191,7 @@ def test_restart_keeps_counters_consistent(exporter, client, keys):
     assert after[("streamer_train_groups_accepted_total", ())] == 16
     assert after[("streamer_rollout_tokens_total", (("producer", "a"),))] == 15
     assert after[("streamer_rollout_tokens_total", (("producer", "b"),))] == 20
-    assert all(after[k] >= v for k, v in before.items() if k[0].endswith("_total")), (
-        "a counter went back"
-    )
+    assert all(after[k] >= v for k, v in before.items() if k[0].endswith("_total")), "a counter went back"
     group = next(g for g in client.xinfo_groups(keys.metrics) if g["name"] == METRICS_GROUP.encode())
     assert (group["pending"], group["lag"]) == (0, 0)
 
@@ -207,9 +199,7 @@ def test_restart_keeps_counters_consistent(exporter, client, keys):
 def test_bad_entries_never_crash(exporter, client, keys):
     pub = Publisher(client, keys, RunConfig().bus)
     client.xadd(keys.metrics, {FIELD: b"\xc1 not msgpack"})
-    pub.publish(
-        keys.metrics, ev("rollout", 1, "producer-a", tokens=float("nan"), groups=-1, reward_mean=0.5)
-    )
+    pub.publish(keys.metrics, ev("rollout", 1, "producer-a", tokens=float("nan"), groups=-1, reward_mean=0.5))
     ex = exporter()
     ex.consume(block=0.1)  # the bad entry goes to the dead-letter stream through the group
     s = scrape(ex.port)
@@ -223,9 +213,7 @@ def test_producer_label_is_bounded(exporter, client, keys, monkeypatch):
     pub = Publisher(client, keys, RunConfig().bus)
     pub.publish_many(keys.metrics, [ev("rollout", i, f"producer-p{i}", groups=1) for i in range(5)])
     s = scrape(exporter().port)
-    labels = {
-        dict(lb)["producer"]: v for (n, lb), v in s.items() if n == "streamer_rollout_groups_total"
-    }
+    labels = {dict(lb)["producer"]: v for (n, lb), v in s.items() if n == "streamer_rollout_groups_total"}
     assert labels == {"p0": 1, "p1": 1, "other": 3}
 
 
@@ -292,9 +280,7 @@ def test_survives_a_server_restart(private_valkey):
         private_valkey.kill()
         _wait(lambda: not ex.health_ok, "the exporter to notice the outage")
         private_valkey.start()
-        connect(private_valkey.url).xadd(
-            keys.metrics, {FIELD: encode(ev("train", 2, "trainer", tokens=5))}
-        )
+        connect(private_valkey.url).xadd(keys.metrics, {FIELD: encode(ev("train", 2, "trainer", tokens=5))})
         _wait(lambda: sum(ex.state.events.values()) == 2, "the event published after the restart")
         assert ex.state.counters["streamer_train_tokens_total"] == 15
         assert loop.is_alive()

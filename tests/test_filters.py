@@ -6,12 +6,11 @@ import random
 
 import msgspec
 import pytest
+from trainer_data import make_group
 
 from consumers.filters import GroupFilter, load_predicate
 from streamer.config import TrainerSection
 from streamer.errors import ConfigError
-from trainer_data import make_group
-
 
 NOT_CALLABLE = 3
 

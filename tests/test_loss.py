@@ -8,13 +8,13 @@ import random
 
 import pytest
 import torch
+from trainer_data import make_group
 
 from consumers import loss as L
 from consumers.batch import collate
 from consumers.learner import Learner
 from streamer import demo
 from streamer.config import TrainerSection
-from trainer_data import make_group
 
 EPS = dict(eps_low=0.2, eps_high=0.2, tis_cap=5.0)
 
@@ -29,9 +29,13 @@ def _loss(logp, *, adv, prox=None, sampler=None, weights=None, **kw):
     weights = torch.ones_like(logp) if weights is None else weights
     args = {**EPS, **kw}
     return L.ppo_loss(
-        logp=logp, prox_logp=prox, sampler_logp=sampler, advantages=torch.tensor(adv, dtype=torch.float32),
-        weights=weights, **args,
-    )  # fmt: skip
+        logp=logp,
+        prox_logp=prox,
+        sampler_logp=sampler,
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        weights=weights,
+        **args,
+    )
 
 
 def test_advantages_by_hand():
@@ -187,9 +191,14 @@ def test_steps_on_a_fixed_batch_lower_the_loss(agg):
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
             logp = L.token_logprobs(logits, batch.targets)
             loss, _ = L.ppo_loss(
-                logp=logp, prox_logp=batch.sampler_logp, sampler_logp=batch.sampler_logp,
-                advantages=batch.advantages, weights=batch.weights, agg=agg, **EPS,
-            )  # fmt: skip
+                logp=logp,
+                prox_logp=batch.sampler_logp,
+                sampler_logp=batch.sampler_logp,
+                advantages=batch.advantages,
+                weights=batch.weights,
+                agg=agg,
+                **EPS,
+            )
         return loss.item()
 
     before = surrogate()
@@ -221,7 +230,9 @@ def test_micro_batches_and_checkpointing_do_not_change_the_gradient(agg):
     base_cfg = TrainerSection(lr=1e-3, loss_agg=agg, ppo_minibatches=1)
     base, m0 = _grads_after_step(base_cfg, batch)
     for variant in ({"micro_batch_size": 5}, {"gradient_checkpointing": True}):
-        grads, m = _grads_after_step(TrainerSection(lr=1e-3, loss_agg=agg, ppo_minibatches=1, **variant), batch)
+        grads, m = _grads_after_step(
+            TrainerSection(lr=1e-3, loss_agg=agg, ppo_minibatches=1, **variant), batch
+        )
         assert m["loss"] == pytest.approx(m0["loss"], abs=1e-6), variant
         for name, g in base.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-7, msg=f"{variant} {name}")

@@ -42,8 +42,9 @@ def _cfg(keys, redis_url, tmp_path, **sections) -> RunConfig:
     base = {"group_size": 4, "max_new_tokens": 3, "torch_threads": 1}
     sections["producer"] = {**base, **sections.get("producer", {})}
     sections.setdefault("trainer", {"groups_per_step": 1000})
-    return replace(RunConfig(), run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
-                   **sections)  # fmt: skip
+    return replace(
+        RunConfig(), run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)}, **sections
+    )
 
 
 def _groups(client, keys) -> list[TrajectoryGroup]:
@@ -181,8 +182,11 @@ def _blocked(client, keys, published: int) -> bool:
 
 
 def _write_config(tmp_path, keys, redis_url, **producer) -> Path:
-    lines = [f'[run]\nname = "{keys.run}"\nredis_url = "{redis_url}"\ndata_dir = "{tmp_path}"\n',
-             "[trainer]\ngroups_per_step = 1000\n", "[producer]"]  # fmt: skip
+    lines = [
+        f'[run]\nname = "{keys.run}"\nredis_url = "{redis_url}"\ndata_dir = "{tmp_path}"\n',
+        "[trainer]\ngroups_per_step = 1000\n",
+        "[producer]",
+    ]
     settings = {"group_size": 2, "max_new_tokens": 2, "torch_threads": 1, **producer}
     lines += [f"{k} = {_toml(v)}" for k, v in settings.items()]
     path = tmp_path / f"run-{len(list(tmp_path.glob('run-*.toml')))}.toml"
@@ -195,12 +199,15 @@ def _toml(v) -> str:
 
 
 def _spawn(config: Path, pid: str, tmp_path: Path) -> subprocess.Popen:
-    log = open(tmp_path / f"{pid}.log", "w")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "streamer", "produce", "--config", str(config), "--id", pid],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env,
-    )  # fmt: skip
+    with open(tmp_path / f"{pid}.log", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "streamer", "produce", "--config", str(config), "--id", pid],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            env=env,
+        )
 
 
 def _exit(proc: subprocess.Popen, tmp_path: Path, pid: str, timeout: float = 90) -> int:
@@ -240,8 +247,16 @@ def test_three_processes_cover_each_epoch_exactly_once(client, keys, redis_url, 
 def test_a_sigkilled_producers_row_is_handed_out_again(client, keys, redis_url, tmp_path):
     with FakeCompletionsServer(canned([10, 5])) as server:  # answers "4" then EOS
         server.hold.clear()  # requests wait: the first producer dies mid-row
-        config = _write_config(tmp_path, keys, redis_url, dataset=str(_dataset(tmp_path, 4)), epochs=1,
-                               sampler="remote", remote_url=server.url, lease_seconds=1.0)  # fmt: skip
+        config = _write_config(
+            tmp_path,
+            keys,
+            redis_url,
+            dataset=str(_dataset(tmp_path, 4)),
+            epochs=1,
+            sampler="remote",
+            remote_url=server.url,
+            lease_seconds=1.0,
+        )
         victim = _spawn(config, "victim", tmp_path)
         assert server.started.wait(60), (tmp_path / "victim.log").read_text()
         (ticket,) = [int(t) for t, owner in client.hgetall(keys.lease_owner).items() if owner == b"victim"]
@@ -261,8 +276,9 @@ def test_a_sigkilled_producers_row_is_handed_out_again(client, keys, redis_url, 
 def test_sigterm_hands_the_row_back_within_the_grace_period(client, keys, redis_url, tmp_path):
     with FakeCompletionsServer(canned([10, 5])) as server:
         server.hold.clear()  # sampling never finishes: the grace period decides
-        config = _write_config(tmp_path, keys, redis_url, sampler="remote", remote_url=server.url,
-                               shutdown_grace=1.0)  # fmt: skip
+        config = _write_config(
+            tmp_path, keys, redis_url, sampler="remote", remote_url=server.url, shutdown_grace=1.0
+        )
         proc = _spawn(config, "p", tmp_path)
         assert server.started.wait(60), (tmp_path / "p.log").read_text()
         assert client.zscore(keys.producers, "p") is not None
@@ -282,7 +298,11 @@ def test_a_bad_dataset_line_is_named(keys, redis_url, tmp_path):
     config = _write_config(tmp_path, keys, redis_url, dataset=str(bad))
     out = subprocess.run(
         [sys.executable, "-m", "streamer", "produce", "--config", str(config)],
-        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr
     assert f"{bad}:2: `prompt` must be a non-empty string" in out.stderr

@@ -49,9 +49,7 @@ def wait_until(what: str, fn, procs: list[subprocess.Popen], timeout: float = 30
     while True:
         for p in procs:
             if p.poll() is not None:
-                pytest.fail(
-                    f"{what}: {p.args[0]} exited {p.returncode}: {p.stdout.read().decode()[-2000:]}"
-                )
+                pytest.fail(f"{what}: {p.args[0]} exited {p.returncode}: {p.stdout.read().decode()[-2000:]}")
         try:
             if result := fn():
                 return result
@@ -71,8 +69,10 @@ def round_of_events(pub: Publisher, keys, client, i: int) -> None:
         }
 
     events = [MetricsEvent(axis="train", step=i + 1, values=values("train"), source="trainer")]
-    events += [MetricsEvent(axis="rollout", step=2 * i + k, values=values("rollout"), source=f"producer-p{k}")
-               for k in (1, 2)]  # fmt: skip
+    events += [
+        MetricsEvent(axis="rollout", step=2 * i + k, values=values("rollout"), source=f"producer-p{k}")
+        for k in (1, 2)
+    ]
     events.append(MetricsEvent(axis="eval", step=i + 1, values=values("eval"), source="eval"))
     pub.publish_many(keys.metrics, events)
     pub.publish(keys.policy, WeightSync(version=i + 1, step=i + 1, uri="file:///w", sha256="0" * 64))
@@ -80,9 +80,7 @@ def round_of_events(pub: Publisher, keys, client, i: int) -> None:
     client.xreadgroup("trainer", "t", {keys.traj: ">"}, count=1)
     client.zadd(keys.producers, {"p1": time.time(), "p2": time.time()})
     if i == 2:
-        pub.publish(
-            keys.dead, DeadLetter(stream=keys.traj, entry_id=f"{i}-0", raw=b"x", reason="malformed")
-        )
+        pub.publish(keys.dead, DeadLetter(stream=keys.traj, entry_id=f"{i}-0", raw=b"x", reason="malformed"))
 
 
 def prometheus_config(tmp_path: Path, exporter_port: int) -> Path:
@@ -111,9 +109,7 @@ def test_promtool_accepts_ops_files():
 def test_every_dashboard_query_returns_data(redis_url, keys, client, tmp_path):
     pub = Publisher(client, keys, RunConfig().bus)
     client.xgroup_create(keys.traj, "trainer", id="0", mkstream=True)
-    pub.publish(
-        keys.dead, DeadLetter(stream=keys.traj, entry_id="1-0", raw=b"x", reason="malformed msgpack")
-    )
+    pub.publish(keys.dead, DeadLetter(stream=keys.traj, entry_id="1-0", raw=b"x", reason="malformed msgpack"))
     client.set(keys.admitted, 3)
     client.hset(keys.limits, mapping={"max_staleness": 1, "groups_per_step": 2})
     round_of_events(pub, keys, client, 0)
@@ -122,17 +118,37 @@ def test_every_dashboard_query_returns_data(redis_url, keys, client, tmp_path):
     run_toml = tmp_path / "run.toml"
     run_toml.write_text("[metrics]\nhealth_interval = 0.5\n")
     exporter = subprocess.Popen(
-        [sys.executable, "-m", "streamer", "metrics", "--config", str(run_toml), "--redis-url", redis_url,
-         "--run", keys.run, "--port", str(exporter_port)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "streamer",
+            "metrics",
+            "--config",
+            str(run_toml),
+            "--redis-url",
+            redis_url,
+            "--run",
+            keys.run,
+            "--port",
+            str(exporter_port),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
     prom = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={prometheus_config(tmp_path, exporter_port)}",
-         f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-         "--log.level=warn"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            PROMETHEUS,
+            f"--config.file={prometheus_config(tmp_path, exporter_port)}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+            "--log.level=warn",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     api = f"http://127.0.0.1:{prom_port}/api/v1"
     procs = [exporter, prom]
     try:
@@ -164,9 +180,12 @@ def test_every_dashboard_query_returns_data(redis_url, keys, client, tmp_path):
 
         rules = wait_until("every alert rule to evaluate", rules_evaluated, procs)
         assert {r["name"] for r in rules} == {
-            "StreamerTrainerStalled", "StreamerTrajectoryLagGrowing", "StreamerDeadLetters",
-            "StreamerNoLiveProducers", "StreamerExporterDown",
-        }  # fmt: skip
+            "StreamerTrainerStalled",
+            "StreamerTrajectoryLagGrowing",
+            "StreamerDeadLetters",
+            "StreamerNoLiveProducers",
+            "StreamerExporterDown",
+        }
         firing = {r["name"] for r in rules if r["state"] != "inactive"}
         assert "StreamerDeadLetters" in firing  # one dead letter appeared during the run
         assert "StreamerTrainerStalled" not in firing and "StreamerNoLiveProducers" not in firing

@@ -46,7 +46,7 @@ def test_load_by_import_path_and_dataset_defaults():
     assert rewards.load(rewards.default_path("", "demo"))({"answer": "3"}, "3", None) == 1.0
     assert rewards.default_path("", "data/train.jsonl") == "producers.rewards:exact_match"
     assert rewards.default_path("my.mod:fn", "demo") == "my.mod:fn"
-    with pytest.raises(ConfigError, match="expected \"module:function\""):
+    with pytest.raises(ConfigError, match='expected "module:function"'):
         rewards.load("producers.rewards.exact_match")
     with pytest.raises(ConfigError, match="cannot import"):
         rewards.load("no_such_module_xyz:fn")

@@ -98,11 +98,13 @@ def test_token_ids_from_token_id_strings_when_the_server_has_no_token_ids_field(
         assert got == [Completion([9, 10, EOS], [-0.5] * 3, "stop")] * 2  # cut after EOS
         remote.close()
     with pytest.raises(SamplerError, match="no token ids"):
-        parse_completions({"choices": [{"logprobs": {"tokens": ["a"], "token_logprobs": [0.0]}}]},
-                          n=1, stop_ids=[EOS])  # fmt: skip
+        parse_completions(
+            {"choices": [{"logprobs": {"tokens": ["a"], "token_logprobs": [0.0]}}]}, n=1, stop_ids=[EOS]
+        )
     with pytest.raises(SamplerError, match="asked for 2 completions, got 1"):
-        parse_completions({"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [0.0]}}]},
-                          n=2, stop_ids=[EOS])  # fmt: skip
+        parse_completions(
+            {"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [0.0]}}]}, n=2, stop_ids=[EOS]
+        )
 
 
 def test_retries_are_bounded_and_only_for_transient_errors():
@@ -124,8 +126,9 @@ def test_retries_are_bounded_and_only_for_transient_errors():
 
 def test_a_slow_server_times_out():
     with FakeCompletionsServer(canned([4, EOS]), latency=1.0) as server:
-        remote = RemoteSampler(base_url=server.url, model="m", stop_ids=[EOS], timeout=0.2,
-                               retries=1, backoff=0.01)  # fmt: skip
+        remote = RemoteSampler(
+            base_url=server.url, model="m", stop_ids=[EOS], timeout=0.2, retries=1, backoff=0.01
+        )
         with pytest.raises(SamplerError, match="Timeout.*after 2 attempts"):
             remote.sample([1], n=1, temperature=1.0, top_p=1.0, max_new_tokens=2)
         remote.close()
@@ -135,10 +138,13 @@ def test_concurrency_is_limited():
     with FakeCompletionsServer(canned([4, EOS]), latency=0.1) as server:
         remote = RemoteSampler(base_url=server.url, model="m", stop_ids=[EOS], concurrency=2)
         threads = [
-            threading.Thread(target=remote.sample, args=([1],),
-                             kwargs=dict(n=1, temperature=1.0, top_p=1.0, max_new_tokens=2))
+            threading.Thread(
+                target=remote.sample,
+                args=([1],),
+                kwargs=dict(n=1, temperature=1.0, top_p=1.0, max_new_tokens=2),
+            )
             for _ in range(6)
-        ]  # fmt: skip
+        ]
         for t in threads:
             t.start()
         for t in threads:

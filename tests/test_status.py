@@ -22,17 +22,13 @@ def seed_run(client, keys: Keys, *, policy_age: float = 2.0, waiting: bool = Tru
     pub = Publisher(client, keys, RunConfig().bus)
     for v in range(1, 6):
         at = now - policy_age - (5 - v) * 2.0
-        pub.publish(
-            keys.policy, WeightSync(version=v, step=v, uri=f"file:///w/{v}", sha256="0" * 64, at=at)
-        )
+        pub.publish(keys.policy, WeightSync(version=v, step=v, uri=f"file:///w/{v}", sha256="0" * 64, at=at))
     client.xgroup_create(keys.traj, "trainer", id="0", mkstream=True)
     for i in range(4 if waiting else 0):
         client.xadd(keys.traj, {FIELD: b"group %d" % i})
     client.xreadgroup("trainer", "t", {keys.traj: ">"}, count=1)  # 1 pending, 3 lag
     client.zadd(keys.producers, {"host-1": now - 1.0, "host-2": now - 120.0})
-    for i, reason in enumerate(
-        ["malformed msgpack", "delivered 6 times (max 5)", "invalid TrajectoryGroup"]
-    ):
+    for i, reason in enumerate(["malformed msgpack", "delivered 6 times (max 5)", "invalid TrajectoryGroup"]):
         pub.publish(keys.dead, DeadLetter(stream=keys.traj, entry_id=f"{i}-1", raw=b"", reason=reason))
     client.set(keys.admitted, 7)
     client.set(keys.version, 5)  # the trainer mirrors the policy version here for admission
@@ -58,8 +54,10 @@ def test_json_for_scripts(client, keys, redis_url, capsys):
     assert [(p["id"], p["live"]) for p in s["producers"]] == [("host-1", True), ("host-2", False)]
     assert s["dead_letters"] == 3
     assert [d["reason"] for d in s["dead_last"]] == [
-        "invalid TrajectoryGroup", "delivered 6 times (max 5)", "malformed msgpack",
-    ]  # fmt: skip
+        "invalid TrajectoryGroup",
+        "delivered 6 times (max 5)",
+        "malformed msgpack",
+    ]
     traj = next(x for x in s["streams"] if x["name"] == "traj")
     assert traj["length"] == 4
     assert [(g["name"], g["lag"], g["pending"]) for g in traj["groups"]] == [("trainer", 3, 1)]

@@ -10,6 +10,7 @@ import signal
 import threading
 
 import pytest
+from trainer_data import make_group, policy_versions, publish, start_trainer, wait_until, write_config
 
 from consumers import checkpoint, trainer
 from consumers.batch import collate
@@ -23,7 +24,6 @@ from streamer.admission import Admission
 from streamer.bus import FIELD, Consumer, Tail, connect
 from streamer.config import BusSection, RunConfig, TrainerSection, replace
 from streamer.keys import TRAINER_GROUP, Keys
-from trainer_data import make_group, policy_versions, publish, start_trainer, wait_until, write_config
 
 
 def _cfg(url, keys, tmp_path, **trainer_fields) -> RunConfig:
@@ -50,10 +50,15 @@ def _feeder(client, keys, **kw) -> Feeder:
         client, keys, keys.traj, TRAINER_GROUP, "t0", as_type=TrajectoryGroup, cfg=BusSection()
     )
     return Feeder(
-        consumer, admission=Admission(client, keys, max_staleness=0, groups_per_step=2),
-        group_filter=GroupFilter(max_staleness=100), groups_per_step=2, collate=collate,
-        version=lambda: 0, block_seconds=0.1, **kw,
-    ).start()  # fmt: skip
+        consumer,
+        admission=Admission(client, keys, max_staleness=0, groups_per_step=2),
+        group_filter=GroupFilter(max_staleness=100),
+        groups_per_step=2,
+        collate=collate,
+        version=lambda: 0,
+        block_seconds=0.1,
+        **kw,
+    ).start()
 
 
 def test_feed_trains_in_stream_order_when_groups_come_back(keys, client):
@@ -80,7 +85,9 @@ def test_feed_acknowledges_what_the_checkpoint_covers(keys, client):
     feeder = _feeder(client, keys, high_water=ids[1])
     try:
         assert feeder.next(timeout=10).entry_ids == ids[2:]
-        pending = {r["message_id"].decode() for r in client.xpending_range(keys.traj, TRAINER_GROUP, "-", "+", 10)}
+        pending = {
+            r["message_id"].decode() for r in client.xpending_range(keys.traj, TRAINER_GROUP, "-", "+", 10)
+        }
         assert pending == set(ids[2:])  # the covered ones were acknowledged, not trained
     finally:
         feeder.stop()
@@ -131,10 +138,16 @@ def test_crash_between_checkpoint_and_ack_trains_nothing_twice(
 
     def save_then_die(self):
         checkpoint.save(
-            cfg.checkpoint_dir, model=self.learner.model, optimizer=self.learner.optimizer, step=self.step,
-            version=self.version, parent=self.parent, high_water=self.high_water,
-            group_ids=[g for _, g in self.trained], entry_ids=[e for e, _ in self.trained],
-        )  # fmt: skip
+            cfg.checkpoint_dir,
+            model=self.learner.model,
+            optimizer=self.learner.optimizer,
+            step=self.step,
+            version=self.version,
+            parent=self.parent,
+            high_water=self.high_water,
+            group_ids=[g for _, g in self.trained],
+            entry_ids=[e for e, _ in self.trained],
+        )
         raise _Crash  # before any XACK
 
     with monkeypatch.context() as m:
@@ -157,11 +170,20 @@ def test_train_process_lock_step_with_a_publisher(private_valkey, tmp_path):
     client = connect(private_valkey.url)
     keys = Keys("e2e")
     steps, per_step = 3, 2
-    config = write_config(tmp_path / "run.toml", {
-        "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
-        "trainer": {"groups_per_step": per_step, "steps": steps, "max_staleness": 0, "lr": 1e-3,
-                    "checkpoint_every": 2, "keep_versions": 2},
-    })  # fmt: skip
+    config = write_config(
+        tmp_path / "run.toml",
+        {
+            "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
+            "trainer": {
+                "groups_per_step": per_step,
+                "steps": steps,
+                "max_staleness": 0,
+                "lr": 1e-3,
+                "checkpoint_every": 2,
+                "keep_versions": 2,
+            },
+        },
+    )
     weights_dir = tmp_path / "data" / keys.run / "weights"
     log = tmp_path / "trainer.log"
     proc = start_trainer(config, private_valkey.url, log)
@@ -170,9 +192,12 @@ def test_train_process_lock_step_with_a_publisher(private_valkey, tmp_path):
     try:
         for step in range(steps):
             wait_until(
-                lambda: client.xlen(keys.policy) == step + 1,
-                timeout=60, what=f"version {step}", proc=proc, log=log,
-            )  # fmt: skip
+                lambda step=step: client.xlen(keys.policy) == step + 1,
+                timeout=60,
+                what=f"version {step}",
+                proc=proc,
+                log=log,
+            )
             sync = Tail(client, keys.policy, as_type=WeightSync).latest()
             weights.load_into(model, weights.resolve(sync, weights_dir))  # sample with the newest policy
             batch = [make_group(rng, version=sync.version, model=model) for _ in range(per_step)]
@@ -209,10 +234,13 @@ def test_sigterm_checkpoints_what_was_trained_and_exits_0(private_valkey, tmp_pa
     rng = random.Random(4)
     groups = [make_group(rng) for _ in range(4)]
     publish(client, keys.traj, groups)
-    config = write_config(tmp_path / "run.toml", {
-        "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
-        "trainer": {"groups_per_step": 2, "steps": 0, "checkpoint_every": 100, "max_staleness": 10},
-    })  # fmt: skip
+    config = write_config(
+        tmp_path / "run.toml",
+        {
+            "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
+            "trainer": {"groups_per_step": 2, "steps": 0, "checkpoint_every": 100, "max_staleness": 10},
+        },
+    )
     log = tmp_path / "trainer.log"
     proc = start_trainer(config, private_valkey.url, log)
     try:

@@ -22,9 +22,11 @@ STEPS = 80
 def _up(data_dir, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "streamer", "up", "--data-dir", str(data_dir), "--no-progress", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
 
 
 class Scraper:

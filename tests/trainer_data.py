@@ -54,9 +54,13 @@ def make_sample(
     else:
         logprobs = [-rng.uniform(0.1, 3.0) for _ in completion]
     return Sample.build(
-        prompt_ids=prompt, completion_ids=completion, logprobs=logprobs,
-        reward=reward, finish_reason=finish, version=version,
-    )  # fmt: skip
+        prompt_ids=prompt,
+        completion_ids=completion,
+        logprobs=logprobs,
+        reward=reward,
+        finish_reason=finish,
+        version=version,
+    )
 
 
 def make_group(
@@ -78,9 +82,13 @@ def make_group(
     ]
     return TrajectoryGroup(
         group_id=group_id or uuid.UUID(int=rng.getrandbits(128)).hex,
-        row=row, epoch=0, producer_id="test", samples=samples,
-        policy_version=min(s.version for s in samples), created_at=0.0,
-    )  # fmt: skip
+        row=row,
+        epoch=0,
+        producer_id="test",
+        samples=samples,
+        policy_version=min(s.version for s in samples),
+        created_at=0.0,
+    )
 
 
 def publish(client, stream: str, groups) -> list[str]:
@@ -119,8 +127,11 @@ def start_trainer(config: Path, url: str, log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "streamer", "train", "--config", str(config), "--redis-url", url],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def policy_versions(client, stream: str) -> list[tuple[int, int]]:

@@ -81,8 +81,12 @@ class Procs:
         with open(self.log_path(name), "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "streamer", "--log-level", log_level, role, *args],
-                cwd=self.dir, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+                cwd=self.dir,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         self.procs[name] = proc
         return proc
 
@@ -120,12 +124,21 @@ def run_config(path: Path, keys: Keys, data_dir: Path, **sections: dict) -> Path
     """A TOML run config for ``keys.run`` with small, fast defaults (demo model and task)."""
     base = {
         "run": {"name": keys.run, "data_dir": str(data_dir)},
-        "producer": {"group_size": 8, "max_new_tokens": 2, "torch_threads": 1,
-                     "reward": "streamer.demo:reward"},
-        "trainer": {"groups_per_step": 2, "lr": 1e-3, "overlong": "keep", "keep_versions": 2,
-                    "keep_checkpoints": 1},
+        "producer": {
+            "group_size": 8,
+            "max_new_tokens": 2,
+            "torch_threads": 1,
+            "reward": "streamer.demo:reward",
+        },
+        "trainer": {
+            "groups_per_step": 2,
+            "lr": 1e-3,
+            "overlong": "keep",
+            "keep_versions": 2,
+            "keep_checkpoints": 1,
+        },
         "eval": {"eval_every": 1000, "max_rows": 8, "max_new_tokens": 2},
-    }  # fmt: skip
+    }
     for name, fields in sections.items():
         base[name] = {**base.get(name, {}), **fields}
     return write_config(path, base)
@@ -200,11 +213,14 @@ class Audit:
     @property
     def figures(self) -> dict:
         return {
-            "published": self.published, "trained": self.trained,
-            "rejected": sum(self.rejected.values()), "waiting": self.waiting,
+            "published": self.published,
+            "trained": self.trained,
+            "rejected": sum(self.rejected.values()),
+            "waiting": self.waiting,
             "dead_lettered": self.dead_lettered,
-            "lost": len(self.lost), "duplicated": len(self.duplicated),
-        }  # fmt: skip
+            "lost": len(self.lost),
+            "duplicated": len(self.duplicated),
+        }
 
 
 def audit(client, keys: Keys, checkpoint_dir: Path, trainer: TrainerSection) -> Audit:
@@ -213,12 +229,17 @@ def audit(client, keys: Keys, checkpoint_dir: Path, trainer: TrainerSection) -> 
     trained_entries = Counter(e for m in chain for e in m.entry_ids)
     trained_groups = Counter(g for m in chain for g in m.group_ids)
     high_water = chain[-1].high_water if chain else "0-0"
-    pending = {_s(r["message_id"]) for r in client.xpending_range(keys.traj, TRAINER_GROUP, "-", "+", 1_000_000)}
+    pending = {
+        _s(r["message_id"]) for r in client.xpending_range(keys.traj, TRAINER_GROUP, "-", "+", 1_000_000)
+    }
     group = next((g for g in client.xinfo_groups(keys.traj) if _s(g["name"]) == TRAINER_GROUP), None)
     delivered_to = _id(_s(group["last-delivered-id"])) if group else (0, 0)
     judge = GroupFilter.from_config(trainer)
-    dead = {d.entry_id for d in (decode(f[FIELD], DeadLetter) for _, f in client.xrange(keys.dead))
-            if d.stream == keys.traj}  # fmt: skip
+    dead = {
+        d.entry_id
+        for d in (decode(f[FIELD], DeadLetter) for _, f in client.xrange(keys.dead))
+        if d.stream == keys.traj
+    }
     out = Audit()
     out.duplicated = [g for g, n in trained_groups.items() if n > 1]
     for raw_id, fields in client.xrange(keys.traj):

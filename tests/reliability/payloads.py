@@ -29,8 +29,14 @@ VOCAB = len(demo.tokenizer())
 _raw = msgspec.msgpack.Encoder()
 _any = msgspec.msgpack.Decoder()
 OTHER_TYPES = ["x", 7, -1, 2.5, float("nan"), None, True, [1, 2], {"a": 1}, b"\x00\x01"]
-HUGE_HEADERS = [b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff",
-                b"\xdb\x7f\xff\xff\xff", b"\xc9\xff\xff\xff\xff\x01", b"\xdc\xff\xff"]  # fmt: skip
+HUGE_HEADERS = [
+    b"\xdd\xff\xff\xff\xff",
+    b"\xdf\xff\xff\xff\xff",
+    b"\xc6\xff\xff\xff\xff",
+    b"\xdb\x7f\xff\xff\xff",
+    b"\xc9\xff\xff\xff\xff\x01",
+    b"\xdc\xff\xff",
+]
 
 
 def valid_group(rng: random.Random) -> TrajectoryGroup:
@@ -38,8 +44,12 @@ def valid_group(rng: random.Random) -> TrajectoryGroup:
 
 
 def valid_metrics(rng: random.Random, step: int) -> MetricsEvent:
-    return MetricsEvent(axis=rng.choice(["train", "rollout", "eval"]), step=step, source="fuzz",
-                        values={"reward_mean": rng.random(), "tokens": float(rng.randint(1, 99))})  # fmt: skip
+    return MetricsEvent(
+        axis=rng.choice(["train", "rollout", "eval"]),
+        step=step,
+        source="fuzz",
+        values={"reward_mean": rng.random(), "tokens": float(rng.randint(1, 99))},
+    )
 
 
 def usable(payload: bytes, as_type) -> bool:
@@ -87,11 +97,13 @@ def _drop_field(rng, _raw_, tree) -> bytes:
 
 
 def _wrong_tag(rng, _raw_, tree) -> bytes:
-    other = rng.choice([
-        WeightSync(version=1, step=1, uri="file:///x", sha256="0" * 64),
-        MetricsEvent(axis="train", step=1, values={}, source="x"),
-        make_group(rng),
-    ])  # fmt: skip
+    other = rng.choice(
+        [
+            WeightSync(version=1, step=1, uri="file:///x", sha256="0" * 64),
+            MetricsEvent(axis="train", step=1, values={}, source="x"),
+            make_group(rng),
+        ]
+    )
     raw = encode(other)
     return raw if rng.random() < 0.5 else _raw.encode({**tree, "type": rng.choice(["bogus", "", 3])})
 
@@ -159,8 +171,16 @@ def big_bad_group(rng: random.Random, mib: float) -> bytes:
     return _raw.encode(tree)
 
 
-COMMON: list[Callable] = [_bitflip, _truncate, _random_bytes, _huge_length, _wrong_type, _drop_field,
-                          _wrong_tag, _schema]  # fmt: skip
+COMMON: list[Callable] = [
+    _bitflip,
+    _truncate,
+    _random_bytes,
+    _huge_length,
+    _wrong_type,
+    _drop_field,
+    _wrong_tag,
+    _schema,
+]
 
 
 def bad_payloads(rng: random.Random, as_type, n: int) -> tuple[list[tuple[str, bytes]], Counter]:

@@ -27,15 +27,22 @@ def test_run_completes_under_backpressure_with_rare_checkpoints(redis_url, keys,
     client = connect(redis_url)
     keep_everything(client, keys)
     config = run_config(
-        tmp_path / "run.toml", keys, tmp_path / "data", trainer=TRAINER,
+        tmp_path / "run.toml",
+        keys,
+        tmp_path / "data",
+        trainer=TRAINER,
         bus={"max_unacked": MAX_UNACKED, "block_seconds": 0.5, "socket_timeout": 3.0},
         producer={"sampler": "remote", "remote_url": server.url},
-    )  # fmt: skip
+    )
     args = ("--config", str(config), "--redis-url", redis_url)
     for i in range(PRODUCERS):
         procs.start(f"producer-{i}", "produce", *args, "--id", f"p{i}")
-    wait_for(lambda: unacked(client, keys.traj) >= MAX_UNACKED, timeout=90,
-             what="producers filling the stream up to max_unacked", logs=procs)  # fmt: skip
+    wait_for(
+        lambda: unacked(client, keys.traj) >= MAX_UNACKED,
+        timeout=90,
+        what="producers filling the stream up to max_unacked",
+        logs=procs,
+    )
     peak, done = [0], threading.Event()
 
     def sample():
@@ -57,11 +64,17 @@ def test_run_completes_under_backpressure_with_rare_checkpoints(redis_url, keys,
     result = audit(client, keys, ckpt, TrainerSection(**TRAINER))
     waits = sum(procs.log(f"producer-{i}").count("backpressure:") for i in range(PRODUCERS))
     report(
-        "backpressure", max_unacked=MAX_UNACKED, groups_per_step=4, checkpoint_every=1000,
-        steps_completed=chain[-1].step if chain else 0, checkpoints=len(chain),
-        peak_unacked=peak[0], producer_backpressure_waits=waits, **result.figures,
+        "backpressure",
+        max_unacked=MAX_UNACKED,
+        groups_per_step=4,
+        checkpoint_every=1000,
+        steps_completed=chain[-1].step if chain else 0,
+        checkpoints=len(chain),
+        peak_unacked=peak[0],
+        producer_backpressure_waits=waits,
+        **result.figures,
         crashed=sum(c != 0 for c in [code, *exits]),
-    )  # fmt: skip
+    )
     assert code == 0, procs.tails()
     assert exits == [0] * PRODUCERS, procs.tails()
     assert chain[-1].step == STEPS

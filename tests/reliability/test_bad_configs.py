@@ -56,12 +56,29 @@ def test_every_role_names_the_key_and_exits_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cases = list(_cases(tmp_path))
     running = [
-        (case, subprocess.Popen(
-            [sys.executable, "-m", "streamer", case[0], "--redis-url", CLOSED, "--data-dir", str(tmp_path), *case[2]],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
+        (
+            case,
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "streamer",
+                    case[0],
+                    "--redis-url",
+                    CLOSED,
+                    "--data-dir",
+                    str(tmp_path),
+                    *case[2],
+                ],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
         for case in cases
-    ]  # fmt: skip
+    ]
     failures = []
     for (role, kind, _, prefix, expect), proc in running:
         _, err = proc.communicate(timeout=120)
@@ -69,8 +86,14 @@ def test_every_role_names_the_key_and_exits_2(tmp_path):
         ok = proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(prefix) and expect in lines[0]
         if not ok:
             failures.append(f"{role} / {kind}: exit {proc.returncode}, stderr:\n{err[-1500:]}")
-    report("bad-configs", roles=len(ROLES), cases=len(cases), clear_exit_2=len(cases) - len(failures),
-           failed=len(failures), crashed=sum("Traceback" in f for f in failures))  # fmt: skip
+    report(
+        "bad-configs",
+        roles=len(ROLES),
+        cases=len(cases),
+        clear_exit_2=len(cases) - len(failures),
+        failed=len(failures),
+        crashed=sum("Traceback" in f for f in failures),
+    )
     assert not failures, "\n\n".join(failures)
 
 
@@ -78,22 +101,38 @@ def test_config_errors_found_after_connecting_leave_nothing_behind(redis_url, ke
     """Errors only a role can see (an import path, a dataset file) stop it before it writes."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cases = {
-        "train": ("[trainer]\nuser_filter = \"no_such_module:keep\"\n", "`trainer.user_filter`"),
-        "produce": ("[producer]\nreward = \"no_such_module:score\"\n", "reward 'no_such_module:score'"),
-        "eval": (f"[eval]\ndataset = \"{tmp_path / 'absent.jsonl'}\"\n", "cannot read dataset"),
+        "train": ('[trainer]\nuser_filter = "no_such_module:keep"\n', "`trainer.user_filter`"),
+        "produce": ('[producer]\nreward = "no_such_module:score"\n', "reward 'no_such_module:score'"),
+        "eval": (f'[eval]\ndataset = "{tmp_path / "absent.jsonl"}"\n', "cannot read dataset"),
     }
     failures = []
     for role, (text, expect) in cases.items():
         path = tmp_path / f"{role}.toml"
         path.write_text(f'[run]\nname = "{keys.run}"\ndata_dir = "{tmp_path / "data"}"\n{text}')
-        r = subprocess.run([sys.executable, "-m", "streamer", role, "--config", str(path), "--redis-url", redis_url],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "streamer", role, "--config", str(path), "--redis-url", redis_url],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         lines = r.stderr.strip().splitlines()
         if not (r.returncode == 2 and len(lines) == 1 and expect in lines[0]):
             failures.append(f"{role}: exit {r.returncode}, stderr:\n{r.stderr[-1500:]}")
     written = sorted(k.decode() for k in client.scan_iter(match=keys.all_keys_pattern()))
-    files = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "data").rglob("*")) if (tmp_path / "data").exists() else []
-    report("config-errors-found-by-roles", cases=len(cases), clear_exit_2=len(cases) - len(failures),
-           keys_written=len(written), files_written=len(files))  # fmt: skip
+    files = (
+        sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "data").rglob("*"))
+        if (tmp_path / "data").exists()
+        else []
+    )
+    report(
+        "config-errors-found-by-roles",
+        cases=len(cases),
+        clear_exit_2=len(cases) - len(failures),
+        keys_written=len(written),
+        files_written=len(files),
+    )
     assert not failures, "\n\n".join(failures)
     assert written == [] and files == [], (written, files)

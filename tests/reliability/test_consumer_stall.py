@@ -40,8 +40,12 @@ def _pending(client, keys, consumer: str) -> list[str]:
 def _stall(trainer, client, keys, procs, *, standby: bool, attempts: int = 20) -> dict:
     """SIGSTOP the trainer while it holds pending entries, past the claim idle time; resume."""
     for _ in range(attempts):
-        wait_for(lambda: len(_pending(client, keys, "trainer-0")) >= 2, timeout=60,
-                 what="the trainer holding pending entries", logs=procs)  # fmt: skip
+        wait_for(
+            lambda: len(_pending(client, keys, "trainer-0")) >= 2,
+            timeout=60,
+            what="the trainer holding pending entries",
+            logs=procs,
+        )
         os.kill(trainer.pid, signal.SIGSTOP)
         held = _pending(client, keys, "trainer-0")
         if held:
@@ -52,13 +56,19 @@ def _stall(trainer, client, keys, procs, *, standby: bool, attempts: int = 20) -
     time.sleep(CLAIM_IDLE * 2.5)  # the stall
     claimed = []
     if standby:  # what a second consumer's Consumer.read() does first: XAUTOCLAIM idle entries
-        _, entries, _ = client.xautoclaim(keys.traj, TRAINER_GROUP, "standby", int(CLAIM_IDLE * 1000), count=1000)[:3]
+        _, entries, _ = client.xautoclaim(
+            keys.traj, TRAINER_GROUP, "standby", int(CLAIM_IDLE * 1000), count=1000
+        )[:3]
         claimed = [entry_id.decode() for entry_id, _ in entries]
     os.kill(trainer.pid, signal.SIGCONT)
     resumed = time.monotonic()
     if standby:
-        wait_for(lambda: not _pending(client, keys, "standby"), timeout=30,
-                 what="the trainer taking back or acknowledging the claimed entries", logs=procs)  # fmt: skip
+        wait_for(
+            lambda: not _pending(client, keys, "standby"),
+            timeout=30,
+            what="the trainer taking back or acknowledging the claimed entries",
+            logs=procs,
+        )
     return {"held": len(held), "claimed": claimed, "cleared_after": round(time.monotonic() - resumed, 2)}
 
 
@@ -67,8 +77,14 @@ def test_trainer_stalled_past_claim_idle_trains_its_entries_once(redis_url, keys
     server.latency = 0.05  # paces the producer: both stalls fall inside the run
     client = connect(redis_url)
     keep_everything(client, keys)
-    config = run_config(tmp_path / "run.toml", keys, tmp_path / "data", bus=BUS, trainer=TRAINER,
-                        producer={"sampler": "remote", "remote_url": server.url})  # fmt: skip
+    config = run_config(
+        tmp_path / "run.toml",
+        keys,
+        tmp_path / "data",
+        bus=BUS,
+        trainer=TRAINER,
+        producer={"sampler": "remote", "remote_url": server.url},
+    )
     args = ("--config", str(config), "--redis-url", redis_url)
     procs.start("producer", "produce", *args, "--id", "p0")
     trainer = procs.start("trainer", "train", *args)
@@ -81,11 +97,18 @@ def test_trainer_stalled_past_claim_idle_trains_its_entries_once(redis_url, keys
     result = audit(client, keys, tmp_path / "data" / keys.run / "checkpoints", TrainerSection(**TRAINER))
     chain_entries = {e for m in _chain(tmp_path, keys) for e in m.entry_ids}
     report(
-        "consumer-stall", stalls=2, stall_seconds=CLAIM_IDLE * 2.5, claim_idle_seconds=CLAIM_IDLE,
-        held_alone=alone["held"], held_with_standby=taken["held"], claimed_by_standby=len(taken["claimed"]),
-        reclaimed_or_acked_after_seconds=taken["cleared_after"], **result.figures,
-        dead_letters=client.xlen(keys.dead), crashed=0,
-    )  # fmt: skip
+        "consumer-stall",
+        stalls=2,
+        stall_seconds=CLAIM_IDLE * 2.5,
+        claim_idle_seconds=CLAIM_IDLE,
+        held_alone=alone["held"],
+        held_with_standby=taken["held"],
+        claimed_by_standby=len(taken["claimed"]),
+        reclaimed_or_acked_after_seconds=taken["cleared_after"],
+        **result.figures,
+        dead_letters=client.xlen(keys.dead),
+        crashed=0,
+    )
     assert taken["claimed"], "the standby claimed nothing: the stall did not pass the idle time"
     assert set(taken["claimed"]) <= chain_entries, "a claimed entry was not trained"
     assert not _pending(client, keys, "standby")

@@ -36,7 +36,12 @@ LEAVE = 640 * 1024  # room for a policy version (~310 KB) but not a checkpoint (
 def small_disk(tmp_path):
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     yield mnt
@@ -57,7 +62,10 @@ def _fill(directory, *, leave: int) -> int:
 
 
 def _remount_read_only(mnt) -> bool:
-    return subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True, check=False).returncode == 0
+    return (
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True, check=False).returncode
+        == 0
+    )
 
 
 def _state(ckpt_dir, weights_dir, client, keys) -> dict:
@@ -99,11 +107,18 @@ def _after_failure(ckpt_dir, weights_dir, client, keys, log: str, code: int, *, 
     groups = [g for m in checkpoint.audit_chain(ckpt_dir) for g in m.group_ids]
     errors = _error_lines(log)
     assert code == 1 and len(errors) == 1, f"exit {code}, error lines {errors}\n{log[-3000:]}"
-    assert state["corrupt"] == [] and state["bad_versions"] == [] and (temp_ok or not state["temp_dirs"]), state
+    assert state["corrupt"] == [] and state["bad_versions"] == [] and (temp_ok or not state["temp_dirs"]), (
+        state
+    )
     assert len(groups) == len(set(groups)), "a group is in the model twice"
-    return {"exit": code, "error": errors[0].split(": ", 1)[1], "latest_loads": meta.name,
-            "corrupt": len(state["corrupt"]), "temp_dirs_left": len(state["temp_dirs"]),
-            "bad_versions": len(state["bad_versions"])}  # fmt: skip
+    return {
+        "exit": code,
+        "error": errors[0].split(": ", 1)[1],
+        "latest_loads": meta.name,
+        "corrupt": len(state["corrupt"]),
+        "temp_dirs_left": len(state["temp_dirs"]),
+        "bad_versions": len(state["bad_versions"]),
+    }
 
 
 def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_path):
@@ -118,8 +133,12 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
     # 1. the disk fills up while the trainer waits after its first checkpoint: with room for
     #    a policy version but not a checkpoint, the step-4 checkpoint fails mid-write
     procs.start("trainer", "train", *args)
-    wait_for(lambda: checkpoint.latest(ckpt_dir) is not None and unacked(client, keys.traj) == 0,
-             timeout=120, what="the step-2 checkpoint, everything acknowledged", logs=procs)  # fmt: skip
+    wait_for(
+        lambda: checkpoint.latest(ckpt_dir) is not None and unacked(client, keys.traj) == 0,
+        timeout=120,
+        what="the step-2 checkpoint, everything acknowledged",
+        logs=procs,
+    )
     _fill(small_disk, leave=LEAVE)
     publish(client, keys.traj, groups[4:])
     code = procs.wait("trainer", 120)
@@ -131,10 +150,18 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
         f.unlink()
     mark = len(procs.log("trainer"))
     procs.start("trainer", "train", *args)
-    wait_for(lambda: checkpoint.latest(ckpt_dir)[1].name != full["latest_loads"], timeout=120,
-             what="a checkpoint after the resume", logs=procs)  # fmt: skip
-    wait_for(lambda: _remount_read_only(small_disk), timeout=20, interval=0.01,
-             what="remounting read-only (busy while a file is open for writing)")  # fmt: skip
+    wait_for(
+        lambda: checkpoint.latest(ckpt_dir)[1].name != full["latest_loads"],
+        timeout=120,
+        what="a checkpoint after the resume",
+        logs=procs,
+    )
+    wait_for(
+        lambda: _remount_read_only(small_disk),
+        timeout=20,
+        interval=0.01,
+        what="remounting read-only (busy while a file is open for writing)",
+    )
     code = procs.wait("trainer", 120)
     log = procs.log("trainer")[mark:]
     ro = _after_failure(ckpt_dir, weights_dir, client, keys, log, code, temp_ok=True)

@@ -71,8 +71,12 @@ def _accepted(payload: bytes, judge: GroupFilter) -> bool:
 def _events_applied(port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "streamer_exporter_events_total")  # fmt: skip
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "streamer_exporter_events_total"
+    )
 
 
 def _dead(client, keys) -> dict[tuple[str, str], str]:
@@ -88,8 +92,13 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
     client = connect(redis_url)
     keep_everything(client, keys)
     port = free_port()
-    config = run_config(tmp_path / "run.toml", keys, tmp_path / "data", trainer=TRAINER,
-                        bus={"block_seconds": 0.5, "max_unacked": 100_000})  # fmt: skip
+    config = run_config(
+        tmp_path / "run.toml",
+        keys,
+        tmp_path / "data",
+        trainer=TRAINER,
+        bus={"block_seconds": 0.5, "max_unacked": 100_000},
+    )
     args = ("--config", str(config), "--redis-url", redis_url)
     trainer = procs.start("trainer", "train", *args)
     exporter = procs.start("metrics", "metrics", *args, "--port", str(port))
@@ -99,8 +108,12 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
     warm = [{FIELD: encode(valid_group(rng))} for _ in range(8)]
     _publish(client, keys.traj, warm)
     _publish(client, keys.metrics, [{FIELD: encode(valid_metrics(rng, i))} for i in range(50)])
-    wait_for(lambda: client.xlen(keys.policy) >= 3 and _events_applied(port) >= 50, timeout=120,
-             what="2 trainer steps and 50 metrics events applied", logs=procs)  # fmt: skip
+    wait_for(
+        lambda: client.xlen(keys.policy) >= 3 and _events_applied(port) >= 50,
+        timeout=120,
+        what="2 trainer steps and 50 metrics events applied",
+        logs=procs,
+    )
     rss = {"trainer": [rss_mb(trainer.pid)], "metrics": [rss_mb(exporter.pid)]}
 
     traj_bad, traj_valid = bad_payloads(rng, TrajectoryGroup, N_TRAJ - N_BIG)
@@ -123,8 +136,12 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
             ids = _publish(client, stream_of[name], [fields for _, fields in mixed])
             bad_ids[name] += [i for i, (is_good, _) in zip(ids, mixed) if not is_good]
         total_bad = len(bad_ids["traj"]) + len(bad_ids["metrics"])
-        wait_for(lambda n=total_bad: client.xlen(keys.dead) >= n, timeout=240,
-                 what=f"{total_bad} dead letters (half {half})", logs=procs)  # fmt: skip
+        wait_for(
+            lambda n=total_bad: client.xlen(keys.dead) >= n,
+            timeout=240,
+            what=f"{total_bad} dead letters (half {half})",
+            logs=procs,
+        )
         rss["trainer"].append(rss_mb(trainer.pid))
         rss["metrics"].append(rss_mb(exporter.pid))
     # the valid mutants too, as they would arrive: trained/rejected and applied like any event
@@ -137,10 +154,16 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
     _publish(client, keys.metrics, met_mutants)
     applied_expected += len(met_mutants)
     steps = (accepted + extra) // TRAINER["groups_per_step"]
-    wait_for(lambda: client.xlen(keys.policy) >= 1 + steps and unacked(client, keys.traj) == 0
-             and _events_applied(port) >= applied_expected, timeout=120,
-             what=f"{steps} steps, every trajectory acknowledged, {applied_expected} events applied",
-             logs=procs)  # fmt: skip
+    wait_for(
+        lambda: (
+            client.xlen(keys.policy) >= 1 + steps
+            and unacked(client, keys.traj) == 0
+            and _events_applied(port) >= applied_expected
+        ),
+        timeout=120,
+        what=f"{steps} steps, every trajectory acknowledged, {applied_expected} events applied",
+        logs=procs,
+    )
     alive = trainer.poll() is None and exporter.poll() is None
     exits = [procs.stop("trainer"), procs.stop("metrics")]
 
@@ -153,13 +176,22 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
     finite = all(torch.isfinite(t).all() for t in _weights(path))
     reasons = Counter(r.split(":")[0][:40] for r in dead.values())
     report(
-        "fuzz-streams", payloads=sum(len(v) for v in bad_ids.values()), traj=len(bad_ids["traj"]),
-        metrics=len(bad_ids["metrics"]), dead_lettered=len(dead), not_dead_lettered=len(missing),
-        good_dead_lettered=wrongly, valid_mutants_published=len(mutants) + len(met_mutants),
-        trained=result.trained, lost=len(result.lost), duplicated=len(result.duplicated),
-        crashed=int(not alive) + sum(c != 0 for c in exits), weights_finite=finite,
-        rss_mb={k: [round(x) for x in v] for k, v in rss.items()}, top_reasons=dict(reasons.most_common(6)),
-    )  # fmt: skip
+        "fuzz-streams",
+        payloads=sum(len(v) for v in bad_ids.values()),
+        traj=len(bad_ids["traj"]),
+        metrics=len(bad_ids["metrics"]),
+        dead_lettered=len(dead),
+        not_dead_lettered=len(missing),
+        good_dead_lettered=wrongly,
+        valid_mutants_published=len(mutants) + len(met_mutants),
+        trained=result.trained,
+        lost=len(result.lost),
+        duplicated=len(result.duplicated),
+        crashed=int(not alive) + sum(c != 0 for c in exits),
+        weights_finite=finite,
+        rss_mb={k: [round(x) for x in v] for k, v in rss.items()},
+        top_reasons=dict(reasons.most_common(6)),
+    )
     assert alive and exits == [0, 0], procs.tails()
     assert not missing and wrongly == 0
     assert not result.lost and not result.duplicated and result.waiting == 0
@@ -174,7 +206,9 @@ def _valid_mutants(rng, counts: Counter, as_type) -> list[bytes]:
     """Fresh mutants that stay valid (as many as the generator discarded, at most 200)."""
     out, want = [], min(sum(counts.values()), 200)
     while len(out) < want:
-        base = encode(valid_group(rng) if as_type is TrajectoryGroup else valid_metrics(rng, 10_000 + len(out)))
+        base = encode(
+            valid_group(rng) if as_type is TrajectoryGroup else valid_metrics(rng, 10_000 + len(out))
+        )
         p = rng.choice(COMMON)(rng, base, msgspec.msgpack.decode(base))
         if usable(p, as_type):
             out.append(p)

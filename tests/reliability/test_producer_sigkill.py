@@ -33,13 +33,25 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
     rng = random.Random(20261208)
     client = connect(redis_url)
     dataset = tmp_path / "rows.jsonl"
-    dataset.write_text("".join(f'{{"prompt": "{i % 5}+{i % 4}=", "answer": "{i % 5 + i % 4}"}}\n' for i in range(ROWS)))
+    dataset.write_text(
+        "".join(f'{{"prompt": "{i % 5}+{i % 4}=", "answer": "{i % 5 + i % 4}"}}\n' for i in range(ROWS))
+    )
     config = run_config(
-        tmp_path / "run.toml", keys, tmp_path / "data",
-        producer={"sampler": "remote", "remote_url": server.url, "group_size": G, "min_group_size": G,
-                  "dataset": str(dataset), "epochs": 1, "lease_seconds": 1.0, "remote_retries": 0},
+        tmp_path / "run.toml",
+        keys,
+        tmp_path / "data",
+        producer={
+            "sampler": "remote",
+            "remote_url": server.url,
+            "group_size": G,
+            "min_group_size": G,
+            "dataset": str(dataset),
+            "epochs": 1,
+            "lease_seconds": 1.0,
+            "remote_retries": 0,
+        },
         trainer={"groups_per_step": 1000},
-    )  # fmt: skip
+    )
     kills, died_holding, tickets_killed = 0, 0, Counter()
     for wave, victims in enumerate(WAVES):
         # wave 0 publishes a few rows, then sampling stalls; wave 1 stalls at once, on the
@@ -49,8 +61,14 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
         names = [f"w{wave}v{i}" for i in range(victims)]
         for name in names:
             procs.start(name, "produce", "--config", str(config), "--redis-url", redis_url, "--id", name)
-        wait_for(lambda n=held_before + victims, names=names: len(backend.held) >= n and _holding(client, keys, names),
-                 timeout=90, what=f"wave {wave}: {victims} producers stuck mid-row", logs=procs)  # fmt: skip
+        wait_for(
+            lambda n=held_before + victims, names=names: (
+                len(backend.held) >= n and _holding(client, keys, names)
+            ),
+            timeout=90,
+            what=f"wave {wave}: {victims} producers stuck mid-row",
+            logs=procs,
+        )
         for name in rng.sample(names, len(names)):
             owned = _leases_of(client, keys, name)
             procs.procs[name].kill()
@@ -72,11 +90,17 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
     lost = ROWS - len(rows)
     duplicated = sum(n - 1 for n in rows.values())
     report(
-        "producer-sigkill", kills=kills, died_holding_a_lease=died_holding, rows=ROWS,
-        published=len(groups), lost=lost, duplicated=duplicated, partial=partial,
+        "producer-sigkill",
+        kills=kills,
+        died_holding_a_lease=died_holding,
+        rows=ROWS,
+        published=len(groups),
+        lost=lost,
+        duplicated=duplicated,
+        partial=partial,
         rows_killed_twice=sum(n > 1 for n in tickets_killed.values()),
         crashed=sum(p.returncode not in (0, -9) for p in procs.procs.values()),
-    )  # fmt: skip
+    )
     assert sorted(rows) == [(0, r) for r in range(ROWS)] and duplicated == 0
     assert partial == 0 and client.xlen(keys.dead) == 0
     assert died_holding == kills, "a victim was not mid-row when it died"

@@ -32,8 +32,21 @@ from streamer.keys import Keys
 from streamer.server import free_port, valkey_binary
 
 SECRET = "S3cret-Pa55word-xyz"
-ACL = ["--user", "default", "off", "--user", "streamer", "on", f">{SECRET}", "~streamer:*", "&*",
-       "+@all", "-@dangerous", "+info", "+client"]  # fmt: skip
+ACL = [
+    "--user",
+    "default",
+    "off",
+    "--user",
+    "streamer",
+    "on",
+    f">{SECRET}",
+    "~streamer:*",
+    "&*",
+    "+@all",
+    "-@dangerous",
+    "+info",
+    "+client",
+]
 PACKAGES = ("streamer", "producers", "consumers", "schemas")
 
 
@@ -59,8 +72,20 @@ def _answers(url: str) -> bool:
 @pytest.fixture
 def acl_valkey(tmp_path):
     port = free_port()
-    argv = [str(valkey_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(tmp_path), *ACL]  # fmt: skip
+    argv = [
+        str(valkey_binary()),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(tmp_path),
+        *ACL,
+    ]
     proc = _server(argv, f"redis://streamer:{SECRET}@127.0.0.1:{port}/0", tmp_path / "valkey.log")
     yield port
     proc.kill()
@@ -74,14 +99,53 @@ def tls_redis(tmp_path):
     if not server or not openssl:
         pytest.skip("TLS test needs redis-server (apt-get install redis-server) and openssl")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     port = free_port()
-    argv = [server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--tls-cert-file", str(cert),
-            "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
-            "--save", "", "--appendonly", "no", "--dir", str(tmp_path), *ACL]  # fmt: skip
+    argv = [
+        server,
+        "--port",
+        "0",
+        "--tls-port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--tls-cert-file",
+        str(cert),
+        "--tls-key-file",
+        str(key),
+        "--tls-ca-cert-file",
+        str(cert),
+        "--tls-auth-clients",
+        "no",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(tmp_path),
+        *ACL,
+    ]
     url = f"rediss://streamer:{SECRET}@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
     log = tmp_path / "redis.log"
     try:
@@ -94,8 +158,15 @@ def tls_redis(tmp_path):
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamer", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=60, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "streamer", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
 
 
 def _listening_address(port: int) -> str | None:
@@ -105,7 +176,9 @@ def _listening_address(port: int) -> str | None:
             local, state = line.split()[1], line.split()[3]
             addr, _, hexport = local.rpartition(":")
             if state == "0A" and int(hexport, 16) == port:
-                return ".".join(str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0)) if len(addr) == 8 else addr
+                return (
+                    ".".join(str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0)) if len(addr) == 8 else addr
+                )
     return None
 
 
@@ -141,10 +214,14 @@ def test_tls_and_acl_for_real_processes_without_leaking_the_secret(tls_redis, pr
     keep_everything(client, keys)  # the trainer trims what it acknowledged; count it all here
     port = free_port()
     config = run_config(
-        tmp_path / "run.toml", keys, tmp_path / "data", trainer={"steps": 2, "max_staleness": 1000},
-        run={"redis_url": url}, producer={"sampler": "remote", "remote_url": server.url, "max_groups": 6},
+        tmp_path / "run.toml",
+        keys,
+        tmp_path / "data",
+        trainer={"steps": 2, "max_staleness": 1000},
+        run={"redis_url": url},
+        producer={"sampler": "remote", "remote_url": server.url, "max_groups": 6},
         metrics={"port": port},
-    )  # fmt: skip
+    )
     for name, role in (("trainer", "train"), ("producer", "produce"), ("metrics", "metrics")):
         procs.start(name, role, "--config", str(config), log_level="DEBUG")
     assert procs.wait("producer", 120) == 0, procs.tails()
@@ -156,11 +233,20 @@ def test_tls_and_acl_for_real_processes_without_leaking_the_secret(tls_redis, pr
     as_json = _cli("status", "--config", str(config), "--json", cwd=tmp_path)
     assert procs.stop("metrics") == 0, procs.tails()
     outputs = {n: procs.log(n) for n in ("trainer", "producer", "metrics")}
-    outputs.update(status=table.stdout + table.stderr, status_json=as_json.stdout + as_json.stderr, metrics_page=page)
+    outputs.update(
+        status=table.stdout + table.stderr, status_json=as_json.stdout + as_json.stderr, metrics_page=page
+    )
     leaks = [n for n, text in outputs.items() if SECRET in text]
-    report("security-tls", transport="rediss + ACL user", processes=3, groups_over_tls=client.xlen(keys.traj),
-           versions_over_tls=client.xlen(keys.policy), outputs_checked=len(outputs), secret_leaks=len(leaks),
-           exporter_bound_to=bound)  # fmt: skip
+    report(
+        "security-tls",
+        transport="rediss + ACL user",
+        processes=3,
+        groups_over_tls=client.xlen(keys.traj),
+        versions_over_tls=client.xlen(keys.policy),
+        outputs_checked=len(outputs),
+        secret_leaks=len(leaks),
+        exporter_bound_to=bound,
+    )
     assert not leaks, f"the password appears in: {leaks}"
     assert client.xlen(keys.traj) == 6 and client.xlen(keys.policy) == 3
     assert "streamer:***@" in table.stdout and f"ssl_ca_certs={cert}" in table.stdout
@@ -185,8 +271,12 @@ FORBIDDEN = {
 
 
 def test_no_pickle_no_torch_load_no_forced_remote_code():
-    hits = [f"{p.relative_to(REPO)}:{src[: m.start()].count(chr(10)) + 1}: {kind}"
-            for p, src in _sources().items() for kind, rx in FORBIDDEN.items() for m in rx.finditer(src)]  # fmt: skip
+    hits = [
+        f"{p.relative_to(REPO)}:{src[: m.start()].count(chr(10)) + 1}: {kind}"
+        for p, src in _sources().items()
+        for kind, rx in FORBIDDEN.items()
+        for m in rx.finditer(src)
+    ]
     calls, unguarded = 0, []
     for p, src in _sources().items():  # every from_pretrained passes the config's trust_remote_code
         for node in ast.walk(ast.parse(src)):
@@ -195,9 +285,15 @@ def test_no_pickle_no_torch_load_no_forced_remote_code():
                 kw = {k.arg: k.value for k in node.keywords}
                 if "trust_remote_code" not in kw or isinstance(kw["trust_remote_code"], ast.Constant):
                     unguarded.append(f"{p.relative_to(REPO)}:{node.lineno}")
-    report("security-static", files=len(_sources()), forbidden_hits=len(hits), from_pretrained_calls=calls,
-           unguarded=len(unguarded), trust_remote_code_default=ModelSection().trust_remote_code,
-           exporter_default_host=MetricsSection().host)  # fmt: skip
+    report(
+        "security-static",
+        files=len(_sources()),
+        forbidden_hits=len(hits),
+        from_pretrained_calls=calls,
+        unguarded=len(unguarded),
+        trust_remote_code_default=ModelSection().trust_remote_code,
+        exporter_default_host=MetricsSection().host,
+    )
     assert not hits, hits
     assert not unguarded, unguarded
     assert ModelSection().trust_remote_code is False and MetricsSection().host == "127.0.0.1"

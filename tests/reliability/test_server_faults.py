@@ -36,7 +36,12 @@ from streamer.server import EmbeddedServer, free_port
 pytestmark = pytest.mark.slow
 
 TRAINER = {"groups_per_step": 2, "checkpoint_every": 2, "max_staleness": 1000}
-NAMES = {"trainer": "streamer-trainer", "producer": "producer-p0", "eval": "eval", "metrics": "streamer-metrics"}
+NAMES = {
+    "trainer": "streamer-trainer",
+    "producer": "producer-p0",
+    "eval": "eval",
+    "metrics": "streamer-metrics",
+}
 
 
 class AckedWriter(threading.Thread):
@@ -96,11 +101,14 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
     client = connect(url)
     keep_everything(client, keys)
     config = run_config(
-        tmp_path / "run.toml", keys, tmp_path / "data", bus={"max_unacked": 16},
+        tmp_path / "run.toml",
+        keys,
+        tmp_path / "data",
+        bus={"max_unacked": 16},
         trainer={**TRAINER, "steps": steps},
         producer={"sampler": "remote", "remote_url": server.url, "max_groups": groups},
         eval={"eval_every": 2},
-    )  # fmt: skip
+    )
     server.latency = 0.05  # paces the producer: the restart falls inside the run
     writer = AckedWriter(url, f"{keys.prefix}:acktest")
     writer.start()
@@ -108,8 +116,12 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
     procs.start("eval", "eval", "--config", str(config), "--redis-url", url)
     wait_for(lambda: _evaluated(client, keys), timeout=120, what="the evaluator's first score", logs=procs)
     _start_pipeline(procs, url, config, free_port())
-    wait_for(lambda: client.xlen(keys.policy) >= 4 and set(NAMES.values()) <= _client_names(client),
-             timeout=120, what="3 trainer steps and every process connected", logs=procs)  # fmt: skip
+    wait_for(
+        lambda: client.xlen(keys.policy) >= 4 and set(NAMES.values()) <= _client_names(client),
+        timeout=120,
+        what="3 trainer steps and every process connected",
+        logs=procs,
+    )
     before = {"policy": client.xlen(keys.policy), "traj": client.xlen(keys.traj)}
     assert before["traj"] < groups, "the producer finished before the restart: nothing to test"
     private_valkey.kill()
@@ -132,11 +144,17 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
     versions = policy_version_list(client, keys)
     from_p0 = result.published  # the only producer
     report(
-        "server-restart-always", outage_seconds=1.0, reconnect_seconds=reconnect,
-        acked_writes=len(writer.acked), acked_writes_lost=writer.missing(client),
-        producer_groups_acked=groups, producer_groups_present=from_p0, **result.figures,
-        versions=len(versions), crashed=sum(c != 0 for c in exits.values()),
-    )  # fmt: skip
+        "server-restart-always",
+        outage_seconds=1.0,
+        reconnect_seconds=reconnect,
+        acked_writes=len(writer.acked),
+        acked_writes_lost=writer.missing(client),
+        producer_groups_acked=groups,
+        producer_groups_present=from_p0,
+        **result.figures,
+        versions=len(versions),
+        crashed=sum(c != 0 for c in exits.values()),
+    )
     assert set(reconnect) == set(NAMES), f"not reconnected within 60 s: {set(NAMES) - set(reconnect)}"
     assert max(reconnect.values()) < 15, reconnect
     assert writer.missing(client) == 0
@@ -165,8 +183,13 @@ def test_appendfsync_everysec_loss_is_counted(tmp_path):
             acked += len(writer.acked)
     finally:
         server.stop()
-    report("server-restart-everysec", kills=rounds, acked_writes=acked, acked_writes_lost=lost,
-           note="SIGKILL of the process only; an OS crash can lose up to ~1 s of writes")  # fmt: skip
+    report(
+        "server-restart-everysec",
+        kills=rounds,
+        acked_writes=acked,
+        acked_writes_lost=lost,
+        note="SIGKILL of the process only; an OS crash can lose up to ~1 s of writes",
+    )
     assert all(n >= 0 for n in lost)
 
 
@@ -177,16 +200,22 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
     client = connect(url)
     keep_everything(client, keys)
     config = run_config(
-        tmp_path / "run.toml", keys, tmp_path / "data",
+        tmp_path / "run.toml",
+        keys,
+        tmp_path / "data",
         bus={"max_unacked": 32, "block_seconds": 0.5, "socket_timeout": 2.0},
         trainer={**TRAINER, "steps": steps},
         producer={"sampler": "remote", "remote_url": server.url},
         eval={"eval_every": 2},
-    )  # fmt: skip
+    )
     _start_pipeline(procs, url, config, free_port())  # the evaluator's outages: the restart test
     names = {r: n for r, n in NAMES.items() if r != "eval"}
-    wait_for(lambda: client.xlen(keys.policy) >= 3 and set(names.values()) <= _client_names(client),
-             timeout=120, what="2 trainer steps and every process connected", logs=procs)  # fmt: skip
+    wait_for(
+        lambda: client.xlen(keys.policy) >= 3 and set(names.values()) <= _client_names(client),
+        timeout=120,
+        what="2 trainer steps and every process connected",
+        logs=procs,
+    )
     marks = {n: len(procs.log(n)) for n in names}
     before = {"policy": client.xlen(keys.policy), "traj": client.xlen(keys.traj)}
     os.kill(private_valkey.proc.pid, signal.SIGSTOP)
@@ -196,23 +225,33 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
     finally:
         os.kill(private_valkey.proc.pid, signal.SIGCONT)
     resumed = time.monotonic()
-    wait_for(lambda: client.xlen(keys.policy) > before["policy"] and client.xlen(keys.traj) > before["traj"],
-             timeout=60, what="new versions and groups after the outage", logs=procs)  # fmt: skip
+    wait_for(
+        lambda: client.xlen(keys.policy) > before["policy"] and client.xlen(keys.traj) > before["traj"],
+        timeout=60,
+        what="new versions and groups after the outage",
+        logs=procs,
+    )
     continued_after = round(time.monotonic() - resumed, 2)
     assert procs.wait("trainer", 180) == 0, procs.tails()
     exits = {name: procs.stop(name) for name in ("producer", "metrics")}
 
-    outage_logs = {n: procs.log(n)[marks[n]:] for n in names}
-    warnings = {n: len(re.findall(r" WARNING .*(unavailable|failed|retrying)", t)) for n, t in outage_logs.items()}
+    outage_logs = {n: procs.log(n)[marks[n] :] for n in names}
+    warnings = {
+        n: len(re.findall(r" WARNING .*(unavailable|failed|retrying)", t)) for n, t in outage_logs.items()
+    }
     delays = {n: [float(d) for d in re.findall(r"retrying in ([\d.]+)s", t)] for n, t in outage_logs.items()}
     result = audit(client, keys, tmp_path / "data" / keys.run / "checkpoints", TrainerSection(**TRAINER))
     versions = policy_version_list(client, keys)
     report(
-        "server-sigstop-20s", outage_seconds=20, alive_during_outage=sum(alive.values()),
+        "server-sigstop-20s",
+        outage_seconds=20,
+        alive_during_outage=sum(alive.values()),
         repeated_versions=len(versions) - len(set(versions)),
-        warnings=warnings, continued_after_seconds=continued_after, **result.figures,
+        warnings=warnings,
+        continued_after_seconds=continued_after,
+        **result.figures,
         crashed=sum(c != 0 for c in exits.values()) + (not all(alive.values())),
-    )  # fmt: skip
+    )
     assert all(alive.values()), f"died during the outage: {alive}\n{procs.tails()}"
     assert exits == {"producer": 0, "metrics": 0}, procs.tails()
     for name in ("trainer", "producer"):
@@ -250,13 +289,24 @@ def test_entries_delivered_in_a_lost_reply_are_read_again(client, keys):
                 raise redis.exceptions.TimeoutError("Timeout reading from socket")  # ... reply lost
             return reply
 
-    consumer = Consumer(LosesOneReply(), keys, keys.traj, "trainer", "trainer-0", as_type=TrajectoryGroup,
-                        cfg=BusSection(block_seconds=0.1, socket_timeout=1.0))  # fmt: skip
+    consumer = Consumer(
+        LosesOneReply(),
+        keys,
+        keys.traj,
+        "trainer",
+        "trainer-0",
+        as_type=TrajectoryGroup,
+        cfg=BusSection(block_seconds=0.1, socket_timeout=1.0),
+    )
     with pytest.raises(redis.exceptions.TimeoutError):
         consumer.read(count=2)  # delivers ids[0:2], reply lost
     got = [d.id for d in consumer.read(count=10)] + [d.id for d in consumer.read(count=10)]
-    report("lost-reply", delivered_in_lost_reply=2, read_again=len(set(got) & set(ids[:2])),
-           skipped=len(set(ids) - set(got)))  # fmt: skip
+    report(
+        "lost-reply",
+        delivered_in_lost_reply=2,
+        read_again=len(set(got) & set(ids[:2])),
+        skipped=len(set(ids) - set(got)),
+    )
     assert got == ids, "the entries of the lost reply were skipped"
 
 
@@ -285,15 +335,23 @@ def test_an_admission_whose_reply_was_lost_takes_one_slot(client, keys, tmp_path
                 raise redis.exceptions.TimeoutError("Timeout reading from socket")  # ... reply lost
             return reply
 
-    cfg = replace(RunConfig(), run={"name": keys.run, "redis_url": "redis://unused", "data_dir": str(tmp_path)},
-                  producer={"group_size": 2, "max_new_tokens": 2, "torch_threads": 1, "max_groups": 3},
-                  trainer={"groups_per_step": 1000})  # fmt: skip
+    cfg = replace(
+        RunConfig(),
+        run={"name": keys.run, "redis_url": "redis://unused", "data_dir": str(tmp_path)},
+        producer={"group_size": 2, "max_new_tokens": 2, "torch_threads": 1, "max_groups": 3},
+        trainer={"groups_per_step": 1000},
+    )
     task, sampler = build(cfg)
     lossy = LosesOneScriptReply()
     producer = Producer(cfg, client=lossy, producer_id="p", task=task, sampler=sampler)
     assert producer.run() == 0
     published, admitted = client.xlen(keys.traj), int(client.get(keys.admitted))
-    report("lost-admission-reply", replies_lost=int(lossy.lost), published=published, admitted=admitted,
-           leaked_slots=admitted - published - client.scard(keys.lease_slots))  # fmt: skip
+    report(
+        "lost-admission-reply",
+        replies_lost=int(lossy.lost),
+        published=published,
+        admitted=admitted,
+        leaked_slots=admitted - published - client.scard(keys.lease_slots),
+    )
     assert lossy.lost and published == 3
     assert admitted == published + client.scard(keys.lease_slots), "an admission slot leaked"

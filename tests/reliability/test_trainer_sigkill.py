@@ -40,8 +40,14 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
     keep_everything(client, keys)
     server, _ = inference
     server.latency = 0.03  # paces the producer (~70 ms a step): kills land within steps, not after the run
-    config = run_config(tmp_path / "run.toml", keys, tmp_path / "data", bus={"max_unacked": 32},
-                        trainer=TRAINER, producer={"sampler": "remote", "remote_url": server.url})  # fmt: skip
+    config = run_config(
+        tmp_path / "run.toml",
+        keys,
+        tmp_path / "data",
+        bus={"max_unacked": 32},
+        trainer=TRAINER,
+        producer={"sampler": "remote", "remote_url": server.url},
+    )
     ckpt_dir = tmp_path / "data" / keys.run / "checkpoints"
     procs.start("producer", "produce", "--config", str(config), "--redis-url", url, "--id", "p0")
     redone = 0
@@ -49,8 +55,12 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
         before = client.xlen(keys.policy)
         trainer = procs.start("trainer", "train", "--config", str(config), "--redis-url", url)
         target = before + 1 + rng.randint(1, 3)  # its first version (the restored weights), then 1-3 steps
-        wait_for(lambda t=target, p=trainer: client.xlen(keys.policy) >= t or p.poll() is not None,
-                 timeout=120, what=f"kill {kill}: {target} policy versions", logs=procs)  # fmt: skip
+        wait_for(
+            lambda t=target, p=trainer: client.xlen(keys.policy) >= t or p.poll() is not None,
+            timeout=120,
+            what=f"kill {kill}: {target} policy versions",
+            logs=procs,
+        )
         assert trainer.poll() is None, f"the trainer exited before kill {kill}\n{procs.tails()}"
         time.sleep(rng.uniform(0.0, 0.1))  # a random point of the step / version / checkpoint cycle
         trainer.kill()
@@ -67,11 +77,16 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
     chain = checkpoint.audit_chain(ckpt_dir)
     versions = policy_version_list(client, keys)
     report(
-        "trainer-sigkill", kills=KILLS, trainer_starts=KILLS + 1, **result.figures,
-        steps_lost_to_kills_and_redone=redone, versions=len(versions),
-        repeated_versions=len(versions) - len(set(versions)), dead_letters=client.xlen(keys.dead),
+        "trainer-sigkill",
+        kills=KILLS,
+        trainer_starts=KILLS + 1,
+        **result.figures,
+        steps_lost_to_kills_and_redone=redone,
+        versions=len(versions),
+        repeated_versions=len(versions) - len(set(versions)),
+        dead_letters=client.xlen(keys.dead),
         crashed=0,
-    )  # fmt: skip
+    )
     assert not result.lost, f"lost groups: {result.lost[:5]}"
     assert not result.duplicated, f"trained twice: {result.duplicated[:5]}"
     assert result.undecodable == 0 and client.xlen(keys.dead) == 0

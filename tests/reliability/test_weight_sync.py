@@ -25,10 +25,12 @@ from streamer.config import RunConfig, replace
 
 def _cfg(keys, redis_url, tmp_path) -> RunConfig:
     return replace(
-        RunConfig(), run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path / "data")},
-        producer={"group_size": 2, "max_new_tokens": 2, "torch_threads": 1}, trainer={"groups_per_step": 1000},
+        RunConfig(),
+        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path / "data")},
+        producer={"group_size": 2, "max_new_tokens": 2, "torch_threads": 1},
+        trainer={"groups_per_step": 1000},
         eval={"max_rows": 4, "max_new_tokens": 2, "eval_every": 1},
-    )  # fmt: skip
+    )
 
 
 def _bad_syncs(cfg: RunConfig, tmp_path) -> list[tuple[str, str, str]]:
@@ -75,10 +77,14 @@ def test_producer_and_evaluator_refuse_weights_outside_the_directory_or_with_a_w
     refused = {"producer": 0, "eval": 0}
     with caplog.at_level(logging.ERROR, logger="producers.follow"):
         for version, (case, uri, sha) in enumerate(cases, start=1):
-            client.xadd(keys.policy, {FIELD: encode(WeightSync(version=version, step=version, uri=uri, sha256=sha))})
+            client.xadd(
+                keys.policy, {FIELD: encode(WeightSync(version=version, step=version, uri=uri, sha256=sha))}
+            )
             assert producer.step() == "published", case
             group = decode(client.xrange(keys.traj)[-1][1][FIELD], TrajectoryGroup)
-            refused["producer"] += group.policy_version == 0 and _same(before["producer"], _params(sampler.model))
+            refused["producer"] += group.policy_version == 0 and _same(
+                before["producer"], _params(sampler.model)
+            )
             refused["eval"] += evaluator.step() is None and _same(before["eval"], _params(ev_sampler.model))
         logged = sum(f"cannot load policy version {v}" in caplog.text for v in range(1, len(cases) + 1))
     rollout = [decode(f[FIELD], MetricsEvent) for _, f in client.xrange(keys.metrics)]
@@ -92,11 +98,16 @@ def test_producer_and_evaluator_refuse_weights_outside_the_directory_or_with_a_w
     loaded_after = decode(client.xrange(keys.traj)[-1][1][FIELD], TrajectoryGroup).policy_version == good
     producer.close()
     report(
-        "weight-sync-refused", cases=len(cases), producer_refused=refused["producer"],
-        evaluator_refused=refused["eval"], producer_errors_counted=int(counted),
-        evaluator_errors_counted=evaluator.follower.errors, log_lines=logged,
-        loaded=0 if refused["producer"] == len(cases) else "?", good_version_loaded_after=loaded_after,
-    )  # fmt: skip
+        "weight-sync-refused",
+        cases=len(cases),
+        producer_refused=refused["producer"],
+        evaluator_refused=refused["eval"],
+        producer_errors_counted=int(counted),
+        evaluator_errors_counted=evaluator.follower.errors,
+        log_lines=logged,
+        loaded=0 if refused["producer"] == len(cases) else "?",
+        good_version_loaded_after=loaded_after,
+    )
     assert refused == {"producer": len(cases), "eval": len(cases)}, refused
     assert counted == len(cases) and producer.follower.errors == len(cases)
     assert evaluator.follower.errors == len(cases)
