@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 import msgspec
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from schemas import DeadLetter, DecodeError, decode, encode
@@ -33,6 +34,9 @@ FIELD = b"d"
 MIN_SERVER = (6, 2)  # XAUTOCLAIM
 DEAD_MAXLEN = 100_000  # the dead-letter stream is for people; keep it bounded
 TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+# a cluster seed node: redis-py's cluster client discovers the rest (every key of a run is
+# hash-tagged onto one slot, see streamer.keys)
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 
 # ---------------------------------------------------------------- connecting
@@ -63,15 +67,19 @@ def connect(
     pinged and its version checked, raising :class:`ServerError` with one clear line.
     """
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"redis URL {redact(url)!r}: scheme must be redis://, rediss:// or unix://")
+    cluster = parts.scheme in CLUSTER_SCHEMES
+    if parts.scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
+        raise ConfigError(
+            f"redis URL {redact(url)!r}: scheme must be redis://, rediss://, unix:// "
+            "or redis+cluster:// (rediss+cluster://)"
+        )
     if parts.scheme != "unix" and not parts.hostname:
         raise ConfigError(f"redis URL {redact(url)!r} has no host")
     if parts.scheme == "unix" and not parts.path:
         raise ConfigError(f"redis URL {redact(url)!r} has no socket path")
     try:
-        client = redis.Redis.from_url(
-            url,
+        client = (RedisCluster if cluster else redis.Redis).from_url(
+            url.replace("+cluster://", "://", 1) if cluster else url,
             socket_timeout=socket_timeout,
             socket_connect_timeout=min(5.0, socket_timeout),
             retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3),

@@ -1,4 +1,8 @@
-"""Every Redis key of a run, in one place. All live under ``streamer:{run}:``."""
+"""Every Redis key of a run, in one place. All live under ``streamer:{run}:``.
+
+The braces are a Redis Cluster hash tag: every key of a run hashes to one slot, so each Lua
+script and MULTI of a run touches one node, on a single server and on a cluster alike.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ class Keys:
         if not _RUN_RE.match(run):
             raise ValueError(f"run name {run!r} must match {_RUN_RE.pattern}")
         self.run = run
-        self.prefix = f"streamer:{run}"
+        self.prefix = f"streamer:{{{run}}}"  # hash tag: one cluster slot per run
 
     def _k(self, name: str) -> str:
         return f"{self.prefix}:{name}"

@@ -15,7 +15,7 @@ from streamer.server import EmbeddedServer, free_port
 @pytest.mark.parametrize(
     "url, message",
     [
-        ("http://localhost:6379", "scheme must be redis://, rediss:// or unix://"),
+        ("http://localhost:6379", "scheme must be redis://, rediss://, unix:// or redis\\+cluster://"),
         ("localhost:6379", "scheme must be"),
         ("redis://", "has no host"),
         ("unix://", "has no socket path"),
