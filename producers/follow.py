@@ -19,6 +19,7 @@ from pathlib import Path
 
 import redis
 
+from producers.reload import SharedReload
 from schemas import WeightSync
 from streamer import weights
 from streamer.bus import Tail
@@ -36,6 +37,9 @@ class WeightFollower:
         self.failed: set[int] = set()  # versions that could not be loaded (not retried)
         self.loads = self.errors = 0  # totals, for counters
         self.last_load_seconds: float | None = None
+        # producers sharing one inference server reload it once per version, in order
+        url = getattr(sampler, "base_url", None)
+        self.shared = SharedReload(client, keys, url, lock_seconds=sampler.reload_deadline()) if url else None
 
     def update(self) -> bool:
         """Load the newest version if it is newer than ours; True when weights changed."""
@@ -49,7 +53,11 @@ class WeightFollower:
         start = time.monotonic()
         try:
             path = weights.resolve(sync, self.weights_dir)
-            self.sampler.load_weights(path)
+            if self.shared is None:
+                self.sampler.load_weights(path)
+                version = sync.version
+            else:  # the version the server confirmed, which may be newer than sync's
+                version = self.shared.ensure(sync.version, lambda: self.sampler.load_weights(path))
         except (StreamerError, OSError, RuntimeError, ValueError, KeyError) as e:
             self.failed.add(sync.version)
             self.errors += 1
@@ -57,6 +65,6 @@ class WeightFollower:
             return False
         self.last_load_seconds = time.monotonic() - start
         self.loads += 1
-        log.info("loaded policy version %d in %.2fs", sync.version, self.last_load_seconds)
-        self.version = sync.version
+        log.info("loaded policy version %d in %.2fs", version, self.last_load_seconds)
+        self.version = version
         return True

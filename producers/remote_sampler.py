@@ -57,6 +57,7 @@ class RemoteSampler:
         self.model, self.stop_ids = model, list(stop_ids)
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.reload_endpoint = reload_endpoint
+        self.timeout = timeout
         self._slots = threading.BoundedSemaphore(concurrency)
         self._http = httpx.Client(
             base_url=self.base_url,
@@ -85,6 +86,10 @@ class RemoteSampler:
         data = self._post(self.reload_endpoint, {"model_path": str(directory)})
         if isinstance(data, dict) and data.get("success") is False:
             raise SamplerError(f"server refused to load {directory}: {data.get('message', data)}")
+
+    def reload_deadline(self) -> float:
+        """Seconds a reload may take at most, retries and backoff included (+ a margin)."""
+        return self.timeout * (self.retries + 1) + self.max_backoff * self.retries + 10.0
 
     def close(self) -> None:
         self._http.close()

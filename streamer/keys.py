@@ -86,5 +86,12 @@ class Keys:
     def producers(self) -> str:
         return self._k("producers")  # ZSET producer id -> last heartbeat (unix seconds)
 
+    # one shared inference server (producers that share `producer.remote_url`)
+    def served(self, server: str) -> str:
+        return self._k(f"served:{server}")  # INT: the newest version the server confirmed loading
+
+    def reload_lock(self, server: str) -> str:
+        return self._k(f"reload_lock:{server}")  # STRING (PX): token of the one producer reloading it
+
     def all_keys_pattern(self) -> str:
         return f"{self.prefix}:*"
