@@ -29,7 +29,7 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 
 class RunSection(_Section):
     name: str = "demo"  # run name; every key lives under streamer:{name}:
-    redis_url: str = ""  # redis://, rediss://, unix://; empty = the embedded server of `up`
+    redis_url: str = ""  # redis://, rediss://, unix://, redis+cluster://; empty = the embedded server of `up`
     data_dir: str = ".streamer"  # weights, checkpoints, logs and the embedded server's data
     seed: int = 0  # base seed for sampling, shuffling and initialisation
 
