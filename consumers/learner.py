@@ -18,6 +18,7 @@ import logging
 import torch
 
 from consumers import loss as L
+from consumers import losses
 from consumers.batch import Batch
 from streamer.config import TrainerSection
 
@@ -40,6 +41,7 @@ class Learner:
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.loss_params = losses.params_of(cfg.loss, cfg)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
 
     def lr_at(self, step: int) -> float:
@@ -102,20 +104,17 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         denom = L.normalizer(mb.weights, cfg.loss_agg)
         n_tok = max(float((mb.weights > 0).sum()), 1.0)
-        out = dict.fromkeys(
-            ("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "is_weight_max"), 0.0
-        )
+        out = {"loss": 0.0, "is_weight_max": 0.0}
         for micro in mb.chunks(cfg.micro_batch_size):
             logp = L.token_logprobs(self.forward_logits(self.model, micro), micro.targets)
-            loss, stats = L.ppo_loss(
+            loss, stats = L.policy_loss(
+                cfg.loss,
+                params=self.loss_params,
                 logp=logp,
                 prox_logp=micro.prox_logp,
                 sampler_logp=micro.sampler_logp,
                 advantages=micro.advantages,
                 weights=micro.weights,
-                eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high,
-                tis_cap=cfg.tis_cap,
                 kl_coef=cfg.kl_coef,
                 ref_logp=micro.ref_logp,
                 agg=cfg.loss_agg,
@@ -124,15 +123,18 @@ class Learner:
             loss.backward()
             share = float((micro.weights > 0).sum()) / n_tok  # token share of this micro-batch
             out["loss"] += loss.item()
-            out["policy_loss"] += float(stats["policy_loss"])
-            out["kl"] += float(stats["kl"])
-            out["clip_fraction"] += float(stats["clip_fraction"]) * share
-            out["is_weight_mean"] += float(stats["is_weight_mean"]) * share
-            out["is_weight_max"] = max(out["is_weight_max"], float(stats["is_weight_max"]))
+            for k, v in stats.items():
+                if k == "is_weight_max":
+                    out[k] = max(out[k], float(v))
+                else:  # aggregated terms sum over micro-batches; token means weigh by share
+                    out[k] = out.get(k, 0.0) + float(v) * (1.0 if k in _SUMMED else share)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.optimizer.step()
         out["grad_norm"] = float(grad_norm)
         return out
+
+
+_SUMMED = ("policy_loss", "kl")  # aggregated with the minibatch's shared denominator
 
 
 def _disable_dropout(model) -> None:

@@ -31,7 +31,7 @@ from functools import partial
 import torch
 
 from consumers import checkpoint
-from consumers.batch import collate
+from consumers.batch import collator
 from consumers.feed import Feeder, Ready, parse_id
 from consumers.filters import GroupFilter, is_stale, unusable
 from consumers.learner import Learner
@@ -115,7 +115,7 @@ class Trainer:
             admission=self.admission,
             group_filter=self.group_filter,
             groups_per_step=tc.groups_per_step,
-            collate=lambda groups: collate(groups, std_normalize=tc.std_normalize, std_floor=tc.std_floor),
+            collate=collator(tc),
             version=lambda: self.version,
             high_water=self.high_water,
             pin_memory=self.learner.device.type == "cuda",

@@ -103,6 +103,46 @@ class ProducerSection(_Section):
             raise ValueError('`remote_url` is required when `sampler` is "remote"')
 
 
+class _ClipSection(_Section):
+    def __post_init__(self) -> None:
+        self._positive("eps_low", "eps_high", allow_zero=True)
+
+
+class DapoSection(_ClipSection):
+    eps_low: float = 0.2  # (dapo) ratio >= 1 - eps_low
+    eps_high: float = 0.28  # (dapo) ratio <= 1 + eps_high: clip-higher, wider than eps_low
+    eps_clip_c: float = 3.0  # (dapo) dual clip: a negative-advantage token's term is bounded at c*A
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.eps_clip_c <= 1:
+            raise ValueError(f"`eps_clip_c` must be > 1, got {self.eps_clip_c}")
+
+
+class GspoSection(_ClipSection):
+    eps_low: float = 3e-4  # (gspo) sequence ratio >= 1 - eps_low
+    eps_high: float = 4e-4  # (gspo) sequence ratio <= 1 + eps_high
+
+
+class CispoSection(_ClipSection):
+    eps_low: float = 1.0  # (cispo) IS weight >= 1 - eps_low (1 = no lower bound)
+    eps_high: float = 4.0  # (cispo) IS weight <= 1 + eps_high
+
+
+LossName = Literal["grpo", "dapo", "gspo", "cispo", "reinforce", "importance_sampling"]
+
+# loss -> the trainer keys it reads (dotted: its own section); the config reference prints it
+LOSS_KEYS = {
+    "grpo": ("tis_cap", "eps_low", "eps_high"),
+    "dapo": ("tis_cap", "dapo.eps_low", "dapo.eps_high", "dapo.eps_clip_c"),
+    "gspo": ("tis_cap", "gspo.eps_low", "gspo.eps_high"),
+    "cispo": ("tis_cap", "cispo.eps_low", "cispo.eps_high"),
+    "reinforce": ("tis_cap",),
+    "importance_sampling": (),
+}
+ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo")
+
+
 class TrainerSection(_Section):
     groups_per_step: int = 8  # accepted groups per optimizer step
     max_staleness: int = 1  # versions a group may lag the policy; 0 = synchronous on-policy
@@ -127,6 +167,11 @@ class TrainerSection(_Section):
     min_group_size: int = 2  # fewer samples (after dropping over-long ones) rejects the group
     micro_batch_size: int = 0  # samples per forward/backward (grad accumulation); 0 = whole minibatch
     keep_checkpoints: int = 2  # full checkpoints kept; older ones keep only their audit metadata
+    loss: LossName = "grpo"  # grpo, dapo, gspo, cispo, reinforce, importance_sampling (table below)
+    advantage: str = "grpo"  # grpo (z-score), dr_grpo (no std), rloo (leave one out) or module:function
+    dapo: DapoSection = msgspec.field(default_factory=DapoSection)  # read when loss = "dapo"
+    gspo: GspoSection = msgspec.field(default_factory=GspoSection)  # read when loss = "gspo"
+    cispo: CispoSection = msgspec.field(default_factory=CispoSection)  # read when loss = "cispo"
 
     def __post_init__(self) -> None:
         self._positive("groups_per_step", "lr", "grad_clip", "ppo_minibatches", "tis_cap")
@@ -135,6 +180,11 @@ class TrainerSection(_Section):
         self._positive("micro_batch_size", allow_zero=True)
         self._positive("max_staleness", "steps", "warmup_steps", "kl_coef", allow_zero=True)
         self._positive("eps_low", "eps_high", "weight_decay", allow_zero=True)
+        if ":" not in self.advantage and "." not in self.advantage and self.advantage not in ADVANTAGE_NAMES:
+            raise ValueError(
+                f"`advantage` must be one of {', '.join(ADVANTAGE_NAMES)} or 'module:function', "
+                f"got {self.advantage!r}"
+            )
 
 
 class EvalSection(_Section):
