@@ -12,13 +12,12 @@ One step (see consumers/loss.py for the objective):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 
 from consumers import loss as L
-from consumers import losses
+from consumers import losses, precision
 from consumers.batch import Batch
 from streamer.config import TrainerSection
 
@@ -33,6 +32,9 @@ class Learner:
             raise ValueError("kl_coef > 0 needs a reference model")
         self.model, self.cfg, self.ref_model, self.step = model, cfg, ref_model, step
         self.device = next(model.parameters()).device
+        loaded = precision.to_master(model)  # fp32 weights and AdamW state, whatever model.dtype is
+        dtype = precision.compute_dtype(cfg.precision, device=self.device, loaded=loaded)
+        self.precision = precision.Precision(dtype, self.device)
         _disable_dropout(model)
         if cfg.gradient_checkpointing:  # transformers 5 renamed it; 4.x has only the old name
             enable = getattr(model, "activation_checkpointing_enable", None)
@@ -51,9 +53,7 @@ class Learner:
         return self.cfg.lr * min(1.0, (step + 1) / self.cfg.warmup_steps)
 
     def autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return self.precision.autocast()
 
     def forward_logits(self, model, mb: Batch) -> torch.Tensor:
         """(b, T-1, V) next-token logits of ``mb``'s inputs."""
@@ -94,7 +94,8 @@ class Learner:
                 totals[k] = max(totals.get(k, 0.0), v) if k == "is_weight_max" else totals.get(k, 0.0) + v
         self.step += 1
         n = len(minibatches)
-        metrics = {k: (v if k == "is_weight_max" else v / n) for k, v in totals.items()}
+        kept = ("is_weight_max", "optimizer_steps_skipped")  # a max and a count, not means
+        metrics = {k: (v if k in kept else v / n) for k, v in totals.items()}
         metrics.update(entropy=entropy, lr=lr, tokens=float(batch.num_tokens))
         return metrics
 
@@ -120,7 +121,7 @@ class Learner:
                 agg=cfg.loss_agg,
                 denom=denom,
             )
-            loss.backward()
+            self.precision.backward(loss)
             share = float((micro.weights > 0).sum()) / n_tok  # token share of this micro-batch
             out["loss"] += loss.item()
             for k, v in stats.items():
@@ -128,9 +129,8 @@ class Learner:
                     out[k] = max(out[k], float(v))
                 else:  # aggregated terms sum over micro-batches; token means weigh by share
                     out[k] = out.get(k, 0.0) + float(v) * (1.0 if k in _SUMMED else share)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.optimizer.step()
-        out["grad_norm"] = float(grad_norm)
+        out["grad_norm"], skipped = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
+        out["optimizer_steps_skipped"] = float(skipped)
         return out
 
 

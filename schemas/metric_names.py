@@ -41,6 +41,7 @@ TRAIN: dict[str, tuple[Kind, str]] = {
     "version": ("gauge", "policy version after the step"),
     "weight_sync_seconds": ("gauge", "time to write and publish the new weights"),
     "groups_accepted": ("counter", "groups trained"),
+    "optimizer_steps_skipped": ("counter", "optimizer steps skipped for a non-finite gradient"),
     "tokens": ("counter", "trained tokens"),
     **{
         f"groups_rejected_{r}": ("counter", f"groups rejected: {r.replace('_', ' ')}") for r in REJECT_REASONS

@@ -129,6 +129,7 @@ class CispoSection(_ClipSection):
     eps_high: float = 4.0  # (cispo) IS weight <= 1 + eps_high
 
 
+Precision = Literal["auto", "float32", "bfloat16", "float16"]
 LossName = Literal["grpo", "dapo", "gspo", "cispo", "reinforce", "importance_sampling"]
 
 # loss -> the trainer keys it reads (dotted: its own section); the config reference prints it
@@ -169,6 +170,7 @@ class TrainerSection(_Section):
     keep_checkpoints: int = 2  # full checkpoints kept; older ones keep only their audit metadata
     loss: LossName = "grpo"  # grpo, dapo, gspo, cispo, reinforce, importance_sampling (table below)
     advantage: str = "grpo"  # grpo (z-score), dr_grpo (no std), rloo (leave one out) or module:function
+    precision: Precision = "auto"  # autocast dtype; auto = model.dtype if half; weights stay float32
     dapo: DapoSection = msgspec.field(default_factory=DapoSection)  # read when loss = "dapo"
     gspo: GspoSection = msgspec.field(default_factory=GspoSection)  # read when loss = "gspo"
     cispo: CispoSection = msgspec.field(default_factory=CispoSection)  # read when loss = "cispo"
