@@ -27,10 +27,20 @@ BETAS = (0.9, 0.999)
 
 
 class Learner:
-    def __init__(self, model, cfg: TrainerSection, *, ref_model=None, step: int = 0):
+    def __init__(
+        self, model, cfg: TrainerSection, *, ref_model=None, step: int = 0, temperature: float = 1.0
+    ):
+        """``temperature``: the samplers' (``producer.temperature``; 0 = greedy = 1 here). The
+        proximal, current and reference log-probs are all of ``softmax(logits / temperature)``,
+        the distribution the sampler reported its log-probs under, so on fresh data the
+        importance weight is exactly 1 and it measures staleness and engine mismatch only.
+        """
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.model, self.cfg, self.ref_model, self.step = model, cfg, ref_model, step
+        self.temperature = temperature if temperature > 0 else 1.0
         self.device = next(model.parameters()).device
         loaded = precision.to_master(model)  # fp32 weights and AdamW state, whatever model.dtype is
         dtype = precision.compute_dtype(cfg.precision, device=self.device, loaded=loaded)
@@ -69,13 +79,14 @@ class Learner:
         width = batch.weights.shape[1]
         for mb in batch.chunks(micro):
             logits = self.forward_logits(self.model, mb)
-            prox.append(_pad(L.token_logprobs(logits, mb.targets), width))
+            prox.append(_pad(L.token_logprobs(logits, mb.targets, self.temperature), width))
             trained = mb.weights > 0
-            ent_sum += float((L.token_entropy(logits[trained]) * mb.weights[trained]).sum())
+            ent = L.token_entropy(logits[trained], self.temperature)
+            ent_sum += float((ent * mb.weights[trained]).sum())
             del logits
             if self.ref_model is not None:
                 ref_logits = self.forward_logits(self.ref_model, mb)
-                ref.append(_pad(L.token_logprobs(ref_logits, mb.targets), width))
+                ref.append(_pad(L.token_logprobs(ref_logits, mb.targets, self.temperature), width))
         batch = batch.replace(prox_logp=torch.cat(prox), ref_logp=torch.cat(ref) if ref else None)
         return batch, ent_sum / max(float(batch.weights.sum()), 1e-8)
 
@@ -107,7 +118,8 @@ class Learner:
         n_tok = max(float((mb.weights > 0).sum()), 1.0)
         out = {"loss": 0.0, "is_weight_max": 0.0}
         for micro in mb.chunks(cfg.micro_batch_size):
-            logp = L.token_logprobs(self.forward_logits(self.model, micro), micro.targets)
+            logits = self.forward_logits(self.model, micro)
+            logp = L.token_logprobs(logits, micro.targets, self.temperature)
             loss, stats = L.policy_loss(
                 cfg.loss,
                 params=self.loss_params,

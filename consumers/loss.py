@@ -55,17 +55,20 @@ def group_advantages(
     return (centered / rewards.std(unbiased=False).clamp_min(std_floor)).float()
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) logits, (B, T) targets -> (B, T) float32 log-prob of each target."""
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, T, V) logits, (B, T) targets -> (B, T) float32 log-prob of each target under
+    ``softmax(logits / temperature)``: the distribution the sampler drew from."""
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - logits.logsumexp(-1)
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """(B, T, V) logits -> (B, T) entropy of the next-token distribution (a metric only)."""
-    logp = logits.float().log_softmax(-1)
+    logp = (logits.float() / temperature).log_softmax(-1)
     return -(logp.exp() * logp).sum(-1)
 
 

@@ -291,7 +291,13 @@ def build_learner(cfg: RunConfig) -> Learner:
     torch.manual_seed(cfg.run.seed)
     model = models.load_model(cfg.model, seed=cfg.run.seed)
     ref = models.load_model(cfg.model, seed=cfg.run.seed) if cfg.trainer.kl_coef > 0 else None
-    return Learner(model, cfg.trainer, ref_model=ref)
+    if cfg.producer.top_p < 1:
+        log.warning(
+            "producer.top_p = %s: samplers report nucleus-renormalised log-probs, the trainer full-softmax "
+            "ones, so every importance weight is the nucleus mass (< 1); see producers/samplers.py",
+            cfg.producer.top_p,
+        )
+    return Learner(model, cfg.trainer, ref_model=ref, temperature=cfg.producer.temperature)
 
 
 def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:

@@ -82,6 +82,7 @@ class ProducerSection(_Section):
     remote_retries: int = 3  # bounded retries with backoff
     remote_concurrency: int = 8  # in-flight requests per producer
     reload_endpoint: str = "/update_weights_from_disk"  # POSTed on new weights (SGLang)
+    remote_logprobs: Literal["raw", "processed"] = "raw"  # what the server reports: see below
     reward: str = ""  # "module:function" (row, text, sample) -> float; "" = demo reward / exact_match
     lease_seconds: float = 60.0  # row lease; renewed while working, expired rows are re-issued
     epochs: int = 0  # stop after this many passes over the dataset; 0 = forever
@@ -101,6 +102,14 @@ class ProducerSection(_Section):
             raise ValueError("`min_group_size` must be <= `group_size`")
         if self.sampler == "remote" and not self.remote_url:
             raise ValueError('`remote_url` is required when `sampler` is "remote"')
+        transformed = self.temperature not in (0.0, 1.0) or self.top_p < 1
+        if self.sampler == "remote" and self.remote_logprobs == "raw" and transformed:
+            raise ValueError(
+                '`remote_logprobs` is "raw" (vLLM\'s default: log-probs before temperature and top-p) '
+                f"but temperature = {self.temperature}, top_p = {self.top_p}: the trainer's importance "
+                "weights would mix the sampling transform into staleness. Start vLLM with "
+                '`--logprobs-mode processed_logprobs` and set remote_logprobs = "processed"'
+            )
 
 
 class _ClipSection(_Section):
