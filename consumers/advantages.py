@@ -51,9 +51,19 @@ def resolve(cfg: TrainerSection) -> AdvantageFn:
         raise ConfigError(str(e).replace("trainer.user_filter", "trainer.advantage")) from None
 
 
-def min_group_size(fn: AdvantageFn) -> int:
+def min_group_size_of(fn: AdvantageFn) -> int:
     """Samples a group needs for ``fn`` to tell them apart (2 unless ``fn`` says otherwise)."""
     return int(getattr(fn, "min_group_size", 2))
+
+
+def check_group_size(fn: AdvantageFn, *, group_size: int, min_group_size: int) -> None:
+    """ConfigError when groups may be smaller than ``fn`` can use (every group would teach nothing)."""
+    need = min_group_size_of(fn)
+    if min(group_size, min_group_size) < need:
+        raise ConfigError(
+            f"`trainer.advantage` needs {need} samples per group, but producer.group_size = {group_size} "
+            f"and trainer.min_group_size = {min_group_size}"
+        )
 
 
 def compute(fn: AdvantageFn, rewards: torch.Tensor) -> torch.Tensor:

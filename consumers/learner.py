@@ -1,13 +1,16 @@
-"""The training step: model + optimizer + one batch -> updated weights and step metrics.
+"""The trainer step: model + optimizer + one batch -> updated weights and step metrics.
 
 No Redis, no files: the trainer process hands it :class:`~consumers.batch.Batch` objects.
-One step (see consumers/loss.py for the objective):
+One trainer step (see consumers/loss.py for the objective) is ``ppo_minibatches``
+optimizer steps:
 
 1. recompute the proximal log-probs of the whole batch once, without grad (and the frozen
-   reference model's, when ``kl_coef > 0``), plus the policy entropy as a metric;
+   reference model's, when ``kl_coef > 0``), plus the policy entropy as a metric, all at
+   the sampler's temperature;
 2. split the batch into ``ppo_minibatches`` row slices; for each, accumulate gradients
    over micro-batches of ``micro_batch_size`` rows (normalised by the whole minibatch),
-   clip the global grad norm, set the warmed-up LR and take one AdamW update.
+   clip the global grad norm, set the scheduled LR (consumers/schedule.py) and take one
+   AdamW update (skipped if the gradient is not finite: consumers/precision.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 import torch
 
 from consumers import loss as L
-from consumers import losses, precision
+from consumers import losses, precision, schedule
 from consumers.batch import Batch
 from streamer.config import TrainerSection
 
@@ -57,10 +60,8 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
 
     def lr_at(self, step: int) -> float:
-        """LR of optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``."""
-        if self.cfg.warmup_steps <= 0:
-            return self.cfg.lr
-        return self.cfg.lr * min(1.0, (step + 1) / self.cfg.warmup_steps)
+        """LR of optimizer step ``step`` (0-based; see consumers/schedule.py)."""
+        return schedule.lr_at(self.cfg, step)
 
     def autocast(self):
         return self.precision.autocast()
@@ -91,16 +92,16 @@ class Learner:
         return batch, ent_sum / max(float(batch.weights.sum()), 1e-8)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step's worth of updates on ``batch``; returns its metrics."""
+        """One trainer step on ``batch`` (``ppo_minibatches`` optimizer steps); returns its metrics."""
         self.model.train()
         batch = batch.to(self.device, non_blocking=True)
         batch, entropy = self.prepare(batch)
-        lr = self.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         totals: dict[str, float] = {}
         minibatches = batch.split(self.cfg.ppo_minibatches)
-        for mb in minibatches:
+        for i, mb in enumerate(minibatches):
+            lr = self.lr_at(self.step * self.cfg.ppo_minibatches + i)  # counted in optimizer steps
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             for k, v in self._update(mb).items():
                 totals[k] = max(totals.get(k, 0.0), v) if k == "is_weight_max" else totals.get(k, 0.0) + v
         self.step += 1

@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from consumers import checkpoint
+from consumers import advantages, checkpoint
 from consumers.batch import collator
 from consumers.feed import Feeder, Ready, parse_id
 from consumers.filters import GroupFilter, is_stale, unusable
@@ -317,6 +317,11 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     try:
         url = cfg.require_redis_url()
         group_filter = GroupFilter.from_config(cfg.trainer)  # a bad user_filter: before anything runs
+        advantages.check_group_size(
+            advantages.resolve(cfg.trainer),
+            group_size=cfg.producer.group_size,
+            min_group_size=cfg.trainer.min_group_size,
+        )
         client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
         keys = Keys(cfg.run.name)
         learner = build_learner(cfg)

@@ -12,7 +12,7 @@ from typing import Literal
 
 Kind = Literal["gauge", "counter"]
 
-REJECT_REASONS = ("stale", "zero_variance", "too_few_samples", "overlong", "user_filter")
+REJECT_REASONS = ("stale", "zero_variance", "too_few_samples", "overlong", "user_filter", "too_long")
 
 TRAIN: dict[str, tuple[Kind, str]] = {
     "loss": ("gauge", "total loss of the step"),
@@ -31,9 +31,9 @@ TRAIN: dict[str, tuple[Kind, str]] = {
     "is_weight_mean": ("gauge", "mean truncated importance weight"),
     "is_weight_max": ("gauge", "max importance weight before truncation"),
     "grad_norm": ("gauge", "global gradient norm before clipping"),
-    "lr": ("gauge", "learning rate"),
+    "lr": ("gauge", "learning rate of the step's last optimizer step"),
     "tokens_per_second": ("gauge", "trained tokens per second of step time"),
-    "step_seconds": ("gauge", "wall time of the optimizer step"),
+    "step_seconds": ("gauge", "wall time of the trainer step (ppo_minibatches optimizer steps)"),
     "data_wait_seconds": ("gauge", "time the step waited for data"),
     "staleness_mean": ("gauge", "mean version lag of the batch's groups"),
     "staleness_max": ("gauge", "max version lag of the batch's groups"),

@@ -159,7 +159,7 @@ def test_advantages_by_hand():
     grpo = A.resolve(TrainerSection(advantage="grpo"))
     assert grpo(r).tolist() == _approx([1, -1, -1, 1])
     user = A.resolve(TrainerSection(advantage="test_losses:halved"))
-    assert A.min_group_size(user) == 1
+    assert A.min_group_size_of(user) == 1
     assert A.compute(user, r).tolist() == _approx([0.5, 0.0, 0.0, 0.5])
     with pytest.raises(ConfigError, match="trainer.advantage"):
         A.resolve(TrainerSection(advantage="nowhere_module:fn"))
