@@ -16,6 +16,7 @@ optimizer steps:
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -44,6 +45,7 @@ class Learner:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.model, self.cfg, self.ref_model, self.step = model, cfg, ref_model, step
         self.temperature = temperature if temperature > 0 else 1.0
+        self.phases = dict.fromkeys(PHASES, 0.0)  # seconds per phase of the current trainer step
         self.device = next(model.parameters()).device
         loaded = precision.to_master(model)  # fp32 weights and AdamW state, whatever model.dtype is
         dtype = precision.compute_dtype(cfg.precision, device=self.device, loaded=loaded)
@@ -79,21 +81,26 @@ class Learner:
         prox, ref, ent_sum = [], [], 0.0
         width = batch.weights.shape[1]
         for mb in batch.chunks(micro):
+            t0 = self._clock()
             logits = self.forward_logits(self.model, mb)
             prox.append(_pad(L.token_logprobs(logits, mb.targets, self.temperature), width))
             trained = mb.weights > 0
             ent = L.token_entropy(logits[trained], self.temperature)
             ent_sum += float((ent * mb.weights[trained]).sum())
             del logits
+            t1 = self._clock()
+            self.phases["proximal_forward_seconds"] += t1 - t0
             if self.ref_model is not None:
                 ref_logits = self.forward_logits(self.ref_model, mb)
                 ref.append(_pad(L.token_logprobs(ref_logits, mb.targets, self.temperature), width))
+                self.phases["reference_forward_seconds"] += self._clock() - t1
         batch = batch.replace(prox_logp=torch.cat(prox), ref_logp=torch.cat(ref) if ref else None)
         return batch, ent_sum / max(float(batch.weights.sum()), 1e-8)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One trainer step on ``batch`` (``ppo_minibatches`` optimizer steps); returns its metrics."""
         self.model.train()
+        self.phases = dict.fromkeys(PHASES, 0.0)
         batch = batch.to(self.device, non_blocking=True)
         batch, entropy = self.prepare(batch)
         totals: dict[str, float] = {}
@@ -108,8 +115,14 @@ class Learner:
         n = len(minibatches)
         kept = ("is_weight_max", "optimizer_steps_skipped")  # a max and a count, not means
         metrics = {k: (v if k in kept else v / n) for k, v in totals.items()}
-        metrics.update(entropy=entropy, lr=lr, tokens=float(batch.num_tokens))
+        metrics.update(entropy=entropy, lr=lr, tokens=float(batch.num_tokens), **self.phases)
         return metrics
+
+    def _clock(self) -> float:
+        """monotonic seconds, after the device's queued work (phase times on a GPU are real)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.monotonic()
 
     def _update(self, mb: Batch) -> dict[str, float]:
         """Accumulate the minibatch's gradient over micro-batches, clip, step."""
@@ -118,6 +131,7 @@ class Learner:
         denom = L.normalizer(mb.weights, cfg.loss_agg)
         n_tok = max(float((mb.weights > 0).sum()), 1.0)
         out = {"loss": 0.0, "is_weight_max": 0.0}
+        t0 = self._clock()
         for micro in mb.chunks(cfg.micro_batch_size):
             logits = self.forward_logits(self.model, micro)
             logp = L.token_logprobs(logits, micro.targets, self.temperature)
@@ -142,11 +156,20 @@ class Learner:
                     out[k] = max(out[k], float(v))
                 else:  # aggregated terms sum over micro-batches; token means weigh by share
                     out[k] = out.get(k, 0.0) + float(v) * (1.0 if k in _SUMMED else share)
+        t1 = self._clock()
         out["grad_norm"], skipped = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
         out["optimizer_steps_skipped"] = float(skipped)
+        self.phases["forward_backward_seconds"] += t1 - t0
+        self.phases["optimizer_seconds"] += self._clock() - t1
         return out
 
 
+PHASES = (
+    "proximal_forward_seconds",
+    "reference_forward_seconds",
+    "forward_backward_seconds",
+    "optimizer_seconds",
+)
 _SUMMED = ("policy_loss", "kl")  # aggregated with the minibatch's shared denominator
 
 

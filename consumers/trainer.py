@@ -220,6 +220,7 @@ class Trainer:
         if self.step % self.tc.checkpoint_every == 0 or early:
             self.checkpoint()
         rewards = [r for g in ready.groups for r in g.rewards().tolist()]
+        lengths = [s.completion_len for g in ready.groups for s in g.samples]
         values = {
             **stats,
             "tokens_per_second": stats["tokens"] / max(step_seconds, 1e-9),
@@ -228,6 +229,8 @@ class Trainer:
             "staleness_mean": sum(lags) / len(lags),
             "staleness_max": float(max(lags)),
             "reward_mean": sum(rewards) / len(rewards),
+            "response_length_mean": sum(lengths) / len(lengths),
+            "response_length_max": float(max(lengths)),
             "version": float(self.version),
             "weight_sync_seconds": self.versions.last_seconds,
             "groups_accepted": float(len(ready.groups)),

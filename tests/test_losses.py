@@ -193,3 +193,17 @@ def test_each_loss_trains_the_demo_model(name):
     metrics = [learner.train_step(batch) for _ in range(2)]
     assert all(math.isfinite(v) for m in metrics for v in m.values()), metrics
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_step_reports_its_diagnostics():
+    model, ref = demo.build_model(0), demo.build_model(0)
+    rng = random.Random(2)
+    batch = collate([make_group(rng, model=model, rewards=(1.0, 0.0, 0.5, 0.0)) for _ in range(2)])
+    learner = Learner(model, TrainerSection(lr=1e-2, kl_coef=0.1, ppo_minibatches=2), ref_model=ref)
+    m = learner.train_step(batch)
+    for phase in ("proximal_forward_seconds", "reference_forward_seconds", "forward_backward_seconds"):
+        assert m[phase] > 0, phase
+    assert m["optimizer_seconds"] >= 0
+    assert m["mismatch_kl"] == pytest.approx(0.0, abs=1e-6)  # the batch's log-probs are this model's
+    assert m["ppo_kl"] > 0 and m["ratio_mean"] != 1.0  # the second minibatch saw moved weights
+    assert 0 <= m["clip_low_fraction"] + m["clip_high_fraction"] == pytest.approx(m["clip_fraction"])
