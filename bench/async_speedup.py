@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         rows,
     )
     print(
-        "s/step: wall time per step; train s: the optimizer step (learner.train_step); sampling s: "
+        "s/step: wall time per step; train s: the trainer step (learner.train_step); sampling s: "
         "a step's groups / producers x the median time a producer's sample request took"
     )
     per_repeat = [a["rate"] / s["rate"] for a, s in zip(results["async"], results["sync"])]

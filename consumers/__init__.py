@@ -2,7 +2,7 @@
 
 The trainer is split so its core never sees Redis: ``loss`` (the objective, pure tensor
 functions), ``batch`` (groups -> padded tensors), ``filters`` (which groups to train),
-``learner`` (the optimizer step) and ``checkpoint`` (atomic, pickle-free state) know
+``learner`` (the training step) and ``checkpoint`` (atomic, pickle-free state) know
 nothing of streams; ``feed`` (the background reader), ``versions`` (the weight writer and
 WeightSync publisher) and ``trainer`` (the process) do.
 """

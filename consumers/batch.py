@@ -10,14 +10,17 @@ and target live at index p + j - 1. Prompt positions, padding and masked complet
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from consumers import advantages
+from consumers.advantages import AdvantageFn
 from consumers.loss import group_advantages
 from schemas import TrajectoryGroup
+from streamer.config import TrainerSection
 
 _INPUT_FIELDS = ("input_ids", "attention_mask")  # (B, T); every other 2-D field is (B, T-1)
 
@@ -87,10 +90,20 @@ def _opt(fn, t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else fn(t)
 
 
-def advantages_of(group: TrajectoryGroup, *, std_normalize: bool, std_floor: float) -> np.ndarray:
-    """(G,) float32 advantages of one group's samples."""
+def advantages_of(
+    group: TrajectoryGroup, *, std_normalize: bool, std_floor: float, advantage: AdvantageFn | None = None
+) -> np.ndarray:
+    """(G,) float32 advantages of one group's samples (``advantage`` None: the GRPO z-score)."""
     rewards = torch.from_numpy(group.rewards())
+    if advantage is not None:
+        return advantages.compute(advantage, rewards).numpy()
     return group_advantages(rewards, std_normalize=std_normalize, std_floor=std_floor).numpy()
+
+
+def collator(cfg: TrainerSection) -> Callable[[Sequence[TrajectoryGroup]], Batch]:
+    """``collate`` with the advantage function ``cfg.advantage`` names."""
+    fn = advantages.resolve(cfg)
+    return lambda groups: collate(groups, advantage=fn)
 
 
 def collate(
@@ -99,12 +112,18 @@ def collate(
     pad_id: int = 0,
     std_normalize: bool = True,
     std_floor: float = 1e-4,
+    advantage: AdvantageFn | None = None,
 ) -> Batch:
     """Pad the samples of ``groups`` (in order) into one :class:`Batch` with group advantages."""
     samples = [s for g in groups for s in g.samples]
     if not samples:
         raise ValueError("collate needs at least one sample")
-    adv = np.concatenate([advantages_of(g, std_normalize=std_normalize, std_floor=std_floor) for g in groups])
+    adv = np.concatenate(
+        [
+            advantages_of(g, std_normalize=std_normalize, std_floor=std_floor, advantage=advantage)
+            for g in groups
+        ]
+    )
     width = max(s.num_tokens for s in samples)
     n = len(samples)
     ids = np.full((n, width), pad_id, np.int64)

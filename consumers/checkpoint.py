@@ -49,7 +49,7 @@ class CheckpointError(StreamerError, ValueError):
 
 class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
     name: str  # the directory name
-    step: int  # optimizer steps taken
+    step: int  # trainer steps taken (each ppo_minibatches optimizer steps)
     version: int  # policy version of these weights
     parent: str | None  # the checkpoint this one continues (None: the initial model)
     high_water: str  # newest trajectory stream id trained into these weights ("0-0": none)

@@ -4,13 +4,16 @@ A verdict is either an accepted group (possibly with over-long samples dropped o
 or a reason from ``schemas.metric_names.REJECT_REASONS``. The checks, in order:
 
 1. ``stale``: ``version - group.policy_version > max_staleness``;
+   ``too_long``: a sample (prompt + completion) longer than ``trainer.max_seq_len`` tokens
+   (it would not fit the model's context or the step's memory budget; 0 = no limit);
 2. ``too_few_samples``: fewer than ``min_group_size`` complete samples (aborted samples,
    ``finish_reason == "abort"``, are incomplete and always dropped);
 3. ``overlong``: samples truncated without EOS (``finish_reason == "length"``) are dropped
    (``drop``), kept with zero loss weight (``mask``) or kept as they are (``keep``); the
    group is rejected when that leaves fewer than ``min_group_size`` trainable samples;
 4. ``zero_variance``: every reward equal, so every advantage is 0 and the group teaches
-   nothing (it would only dilute the token-mean);
+   nothing (it would only dilute the token-mean); a group of one sample is exempt (only an
+   advantage function that works on one sample gets those, see consumers/advantages.py);
 5. ``user_filter``: a ``(group) -> bool`` function named by import path returned False.
 
 Groups that decode but cannot be trained at all (:func:`unusable`: token ids outside the
@@ -96,11 +99,12 @@ class GroupFilter:
         min_group_size: int = 1,
         overlong: str = "drop",
         user_filter: GroupPredicate | None = None,
+        max_seq_len: int = 0,
     ):
         if overlong not in ("drop", "mask", "keep"):
             raise ConfigError(f"`trainer.overlong` must be drop, mask or keep, got {overlong!r}")
         self.max_staleness, self.min_group_size = max_staleness, min_group_size
-        self.overlong, self.user_filter = overlong, user_filter
+        self.overlong, self.user_filter, self.max_seq_len = overlong, user_filter, max_seq_len
 
     @classmethod
     def from_config(cls, cfg: TrainerSection) -> GroupFilter:
@@ -109,11 +113,14 @@ class GroupFilter:
             min_group_size=cfg.min_group_size,
             overlong=cfg.overlong,
             user_filter=load_predicate(cfg.user_filter) if cfg.user_filter else None,
+            max_seq_len=cfg.max_seq_len,
         )
 
     def __call__(self, group: TrajectoryGroup, *, version: int) -> Verdict:
         if is_stale(group, version=version, max_staleness=self.max_staleness):
             return Verdict(None, "stale")
+        if self.max_seq_len and any(s.num_tokens > self.max_seq_len for s in group.samples):
+            return Verdict(None, "too_long")
         complete = [s for s in group.samples if s.finish_reason != "abort"]
         if len(complete) < self.min_group_size:
             return Verdict(None, "too_few_samples")
@@ -121,7 +128,7 @@ class GroupFilter:
         if group is None:
             return Verdict(None, "overlong")
         rewards = group.rewards()
-        if bool((rewards == rewards[0]).all()):
+        if len(rewards) > 1 and bool((rewards == rewards[0]).all()):
             return Verdict(None, "zero_variance")
         if self.user_filter is not None and not self._user_accepts(group):
             return Verdict(None, "user_filter")

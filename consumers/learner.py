@@ -1,23 +1,27 @@
-"""The training step: model + optimizer + one batch -> updated weights and step metrics.
+"""The trainer step: model + optimizer + one batch -> updated weights and step metrics.
 
 No Redis, no files: the trainer process hands it :class:`~consumers.batch.Batch` objects.
-One step (see consumers/loss.py for the objective):
+One trainer step (see consumers/loss.py for the objective) is ``ppo_minibatches``
+optimizer steps:
 
 1. recompute the proximal log-probs of the whole batch once, without grad (and the frozen
-   reference model's, when ``kl_coef > 0``), plus the policy entropy as a metric;
+   reference model's, when ``kl_coef > 0``), plus the policy entropy as a metric, all at
+   the sampler's temperature;
 2. split the batch into ``ppo_minibatches`` row slices; for each, accumulate gradients
    over micro-batches of ``micro_batch_size`` rows (normalised by the whole minibatch),
-   clip the global grad norm, set the warmed-up LR and take one AdamW update.
+   clip the global grad norm, set the scheduled LR (consumers/schedule.py) and take one
+   AdamW update (skipped if the gradient is not finite: consumers/precision.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import time
 
 import torch
 
 from consumers import loss as L
+from consumers import losses, precision, schedule
 from consumers.batch import Batch
 from streamer.config import TrainerSection
 
@@ -27,11 +31,25 @@ BETAS = (0.9, 0.999)
 
 
 class Learner:
-    def __init__(self, model, cfg: TrainerSection, *, ref_model=None, step: int = 0):
+    def __init__(
+        self, model, cfg: TrainerSection, *, ref_model=None, step: int = 0, temperature: float = 1.0
+    ):
+        """``temperature``: the samplers' (``producer.temperature``; 0 = greedy = 1 here). The
+        proximal, current and reference log-probs are all of ``softmax(logits / temperature)``,
+        the distribution the sampler reported its log-probs under, so on fresh data the
+        importance weight is exactly 1 and it measures staleness and engine mismatch only.
+        """
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.model, self.cfg, self.ref_model, self.step = model, cfg, ref_model, step
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.phases = dict.fromkeys(PHASES, 0.0)  # seconds per phase of the current trainer step
         self.device = next(model.parameters()).device
+        loaded = precision.to_master(model)  # fp32 weights and AdamW state, whatever model.dtype is
+        dtype = precision.compute_dtype(cfg.precision, device=self.device, loaded=loaded)
+        self.precision = precision.Precision(dtype, self.device)
         _disable_dropout(model)
         if cfg.gradient_checkpointing:  # transformers 5 renamed it; 4.x has only the old name
             enable = getattr(model, "activation_checkpointing_enable", None)
@@ -40,18 +58,15 @@ class Learner:
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.loss_params = losses.params_of(cfg.loss, cfg)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
 
     def lr_at(self, step: int) -> float:
-        """LR of optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``."""
-        if self.cfg.warmup_steps <= 0:
-            return self.cfg.lr
-        return self.cfg.lr * min(1.0, (step + 1) / self.cfg.warmup_steps)
+        """LR of optimizer step ``step`` (0-based; see consumers/schedule.py)."""
+        return schedule.lr_at(self.cfg, step)
 
     def autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return self.precision.autocast()
 
     def forward_logits(self, model, mb: Batch) -> torch.Tensor:
         """(b, T-1, V) next-token logits of ``mb``'s inputs."""
@@ -66,35 +81,48 @@ class Learner:
         prox, ref, ent_sum = [], [], 0.0
         width = batch.weights.shape[1]
         for mb in batch.chunks(micro):
+            t0 = self._clock()
             logits = self.forward_logits(self.model, mb)
-            prox.append(_pad(L.token_logprobs(logits, mb.targets), width))
+            prox.append(_pad(L.token_logprobs(logits, mb.targets, self.temperature), width))
             trained = mb.weights > 0
-            ent_sum += float((L.token_entropy(logits[trained]) * mb.weights[trained]).sum())
+            ent = L.token_entropy(logits[trained], self.temperature)
+            ent_sum += float((ent * mb.weights[trained]).sum())
             del logits
+            t1 = self._clock()
+            self.phases["proximal_forward_seconds"] += t1 - t0
             if self.ref_model is not None:
                 ref_logits = self.forward_logits(self.ref_model, mb)
-                ref.append(_pad(L.token_logprobs(ref_logits, mb.targets), width))
+                ref.append(_pad(L.token_logprobs(ref_logits, mb.targets, self.temperature), width))
+                self.phases["reference_forward_seconds"] += self._clock() - t1
         batch = batch.replace(prox_logp=torch.cat(prox), ref_logp=torch.cat(ref) if ref else None)
         return batch, ent_sum / max(float(batch.weights.sum()), 1e-8)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step's worth of updates on ``batch``; returns its metrics."""
+        """One trainer step on ``batch`` (``ppo_minibatches`` optimizer steps); returns its metrics."""
         self.model.train()
+        self.phases = dict.fromkeys(PHASES, 0.0)
         batch = batch.to(self.device, non_blocking=True)
         batch, entropy = self.prepare(batch)
-        lr = self.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         totals: dict[str, float] = {}
         minibatches = batch.split(self.cfg.ppo_minibatches)
-        for mb in minibatches:
+        for i, mb in enumerate(minibatches):
+            lr = self.lr_at(self.step * self.cfg.ppo_minibatches + i)  # counted in optimizer steps
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             for k, v in self._update(mb).items():
                 totals[k] = max(totals.get(k, 0.0), v) if k == "is_weight_max" else totals.get(k, 0.0) + v
         self.step += 1
         n = len(minibatches)
-        metrics = {k: (v if k == "is_weight_max" else v / n) for k, v in totals.items()}
-        metrics.update(entropy=entropy, lr=lr, tokens=float(batch.num_tokens))
+        kept = ("is_weight_max", "optimizer_steps_skipped")  # a max and a count, not means
+        metrics = {k: (v if k in kept else v / n) for k, v in totals.items()}
+        metrics.update(entropy=entropy, lr=lr, tokens=float(batch.num_tokens), **self.phases)
         return metrics
+
+    def _clock(self) -> float:
+        """monotonic seconds, after the device's queued work (phase times on a GPU are real)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.monotonic()
 
     def _update(self, mb: Batch) -> dict[str, float]:
         """Accumulate the minibatch's gradient over micro-batches, clip, step."""
@@ -102,37 +130,47 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         denom = L.normalizer(mb.weights, cfg.loss_agg)
         n_tok = max(float((mb.weights > 0).sum()), 1.0)
-        out = dict.fromkeys(
-            ("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "is_weight_max"), 0.0
-        )
+        out = {"loss": 0.0, "is_weight_max": 0.0}
+        t0 = self._clock()
         for micro in mb.chunks(cfg.micro_batch_size):
-            logp = L.token_logprobs(self.forward_logits(self.model, micro), micro.targets)
-            loss, stats = L.ppo_loss(
+            logits = self.forward_logits(self.model, micro)
+            logp = L.token_logprobs(logits, micro.targets, self.temperature)
+            loss, stats = L.policy_loss(
+                cfg.loss,
+                params=self.loss_params,
                 logp=logp,
                 prox_logp=micro.prox_logp,
                 sampler_logp=micro.sampler_logp,
                 advantages=micro.advantages,
                 weights=micro.weights,
-                eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high,
-                tis_cap=cfg.tis_cap,
                 kl_coef=cfg.kl_coef,
                 ref_logp=micro.ref_logp,
                 agg=cfg.loss_agg,
                 denom=denom,
             )
-            loss.backward()
+            self.precision.backward(loss)
             share = float((micro.weights > 0).sum()) / n_tok  # token share of this micro-batch
             out["loss"] += loss.item()
-            out["policy_loss"] += float(stats["policy_loss"])
-            out["kl"] += float(stats["kl"])
-            out["clip_fraction"] += float(stats["clip_fraction"]) * share
-            out["is_weight_mean"] += float(stats["is_weight_mean"]) * share
-            out["is_weight_max"] = max(out["is_weight_max"], float(stats["is_weight_max"]))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.optimizer.step()
-        out["grad_norm"] = float(grad_norm)
+            for k, v in stats.items():
+                if k == "is_weight_max":
+                    out[k] = max(out[k], float(v))
+                else:  # aggregated terms sum over micro-batches; token means weigh by share
+                    out[k] = out.get(k, 0.0) + float(v) * (1.0 if k in _SUMMED else share)
+        t1 = self._clock()
+        out["grad_norm"], skipped = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
+        out["optimizer_steps_skipped"] = float(skipped)
+        self.phases["forward_backward_seconds"] += t1 - t0
+        self.phases["optimizer_seconds"] += self._clock() - t1
         return out
+
+
+PHASES = (
+    "proximal_forward_seconds",
+    "reference_forward_seconds",
+    "forward_backward_seconds",
+    "optimizer_seconds",
+)
+_SUMMED = ("policy_loss", "kl")  # aggregated with the minibatch's shared denominator
 
 
 def _disable_dropout(model) -> None:

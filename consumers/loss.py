@@ -8,6 +8,18 @@ Per trained token t of sample i, with group advantage A_i:
     kl_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1       k3 estimator (kl_coef > 0)
     loss     = agg(pg_t + kl_coef * kl_t)                        token-mean or seq-mean
 
+``pg_t`` above is the default ``grpo`` term; ``trainer.loss`` picks another from the family
+in consumers/losses.py (dapo, gspo, cispo, reinforce, importance_sampling), aggregated here
+the same way. The two aggregations, with m_it = 1 on trained tokens (weight > 0):
+
+    token-mean = sum_i sum_t m_it x_it / sum_i sum_t m_it
+    seq-mean   = sum_i [sum_t m_it x_it / sum_t m_it] / #{i : sum_t m_it > 0}
+
+The ``seq-mean`` denominator is a contract: the number of sequences with at least one
+trained token, not the number of rows (a sample whose tokens are all masked, e.g. an
+over-long one under ``overlong = "mask"``, does not dilute the mean; the seed divided by
+all sequences). Micro-batches share the minibatch's denominator, so they sum exactly.
+
 ``prox`` is the trainer's own log-prob of the batch recomputed once before the updates
 (the decoupled-PPO proximal policy): the clip bounds how far one step moves from the
 current weights, while ``w`` corrects for the sampler's (older, or numerically different)
@@ -22,6 +34,8 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+
+from consumers import losses
 
 Agg = Literal["token-mean", "seq-mean"]
 LOG_RATIO_CLAMP = 20.0
@@ -41,22 +55,28 @@ def group_advantages(
     return (centered / rewards.std(unbiased=False).clamp_min(std_floor)).float()
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) logits, (B, T) targets -> (B, T) float32 log-prob of each target."""
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, T, V) logits, (B, T) targets -> (B, T) float32 log-prob of each target under
+    ``softmax(logits / temperature)``: the distribution the sampler drew from."""
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - logits.logsumexp(-1)
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """(B, T, V) logits -> (B, T) entropy of the next-token distribution (a metric only)."""
-    logp = logits.float().log_softmax(-1)
+    logp = (logits.float() / temperature).log_softmax(-1)
     return -(logp.exp() * logp).sum(-1)
 
 
 def normalizer(weights: torch.Tensor, agg: Agg) -> torch.Tensor:
-    """The denominator of ``agg`` over a whole minibatch (shared by its micro-batches)."""
+    """The denominator of ``agg`` over a whole minibatch (shared by its micro-batches).
+
+    token-mean: the trained tokens; seq-mean: the sequences with at least one trained token.
+    """
     if agg == "token-mean":
         return weights.sum().clamp_min(1e-8)
     if agg == "seq-mean":
@@ -94,23 +114,60 @@ def ppo_loss(
     agg: Agg = "token-mean",
     denom: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss (with grad through ``logp`` only) and detached statistics of it.
+    """The default (``grpo``) objective: :func:`policy_loss` with the PPO-clip terms."""
+    return policy_loss(
+        "grpo",
+        params={"eps_low": eps_low, "eps_high": eps_high, "tis_cap": tis_cap},
+        logp=logp,
+        prox_logp=prox_logp,
+        sampler_logp=sampler_logp,
+        advantages=advantages,
+        weights=weights,
+        kl_coef=kl_coef,
+        ref_logp=ref_logp,
+        agg=agg,
+        denom=denom,
+    )
 
-    ``weights`` is 0 on prompt and padding positions and on masked completion tokens.
-    Statistics: policy_loss and kl (aggregated like the loss), clip_fraction (trained
-    tokens whose clipped term was the active one), is_weight_mean (after truncation),
-    is_weight_max (before truncation).
+
+def policy_loss(
+    name: str,
+    *,
+    params: dict[str, float],
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    kl_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+    agg: Agg = "token-mean",
+    denom: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss ``name`` of consumers/losses.py, aggregated, plus the KL term; and its statistics.
+
+    The loss has grad through ``logp`` only. ``weights`` is 0 on prompt and padding
+    positions and on masked completion tokens. Statistics (detached; token means are over
+    trained tokens): policy_loss and kl (aggregated like the loss); clip_fraction and its
+    sides clip_low_fraction / clip_high_fraction (tokens whose clip bound was the active
+    term); ratio_mean (current vs proximal); ppo_kl (k3 of the proximal policy from the
+    current one: KL(prox || current), how far this minibatch's updates moved); mismatch_kl (k3 of the trainer's
+    proximal policy from the sampler's, on the sampled tokens: ~0 when sampler and trainer
+    agree, the first sign of a broken inference engine or a temperature mismatch);
+    is_weight_mean (after truncation) and is_weight_max (before).
     """
     prox_logp, sampler_logp = prox_logp.detach(), sampler_logp.detach()
-    adv = advantages.detach().float().unsqueeze(-1)  # (B, 1)
-    log_ratio = (logp - prox_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    raw_is = (prox_logp - sampler_logp).clamp(max=LOG_RATIO_CLAMP).exp()
-    is_w = raw_is.clamp(max=tis_cap)
-    pg = -is_w * torch.minimum(ratio * adv, clipped * adv)  # (B, T)
-    policy_loss = aggregate(pg, weights, agg, denom)
-    total = policy_loss
+    t = losses.terms(
+        name,
+        logp=logp,
+        prox_logp=prox_logp,
+        sampler_logp=sampler_logp,
+        advantages=advantages,
+        weights=weights,
+        **params,
+    )
+    policy = aggregate(t.pg, weights, agg, denom)
+    total = policy
     kl = torch.zeros((), device=logp.device)
     if kl_coef > 0:
         if ref_logp is None:
@@ -119,14 +176,36 @@ def ppo_loss(
         kl = aggregate(d.exp() - d - 1.0, weights, agg, denom)
         total = total + kl_coef * kl
     with torch.no_grad():
-        trained = weights > 0
-        n = trained.sum().clamp_min(1)
-        was_clipped = ((ratio < 1.0 - eps_low) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
         stats = {
-            "policy_loss": policy_loss.detach(),
+            "policy_loss": policy.detach(),
             "kl": kl.detach(),
-            "clip_fraction": (was_clipped & trained).sum() / n,
-            "is_weight_mean": (is_w * trained).sum() / n,
-            "is_weight_max": raw_is.masked_fill(~trained, 0.0).max(),
+            **_token_stats(t, logp, prox_logp, sampler_logp, weights, params),
         }
     return total, stats
+
+
+def _k3(log_r: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(p || q) per token from log_r = log q - log p on samples of p."""
+    log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return log_r.exp() - log_r - 1.0
+
+
+def _token_stats(t, logp, prox_logp, sampler_logp, weights, params) -> dict[str, torch.Tensor]:
+    trained = weights > 0
+    n = trained.sum().clamp_min(1)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return (x.float() * trained).sum() / n
+
+    raw_is = (prox_logp - sampler_logp).clamp(max=LOG_RATIO_CLAMP).exp()
+    low, high = t.clipped_low & trained, t.clipped_high & trained
+    return {
+        "clip_fraction": mean(low | high),
+        "clip_low_fraction": mean(low),
+        "clip_high_fraction": mean(high),
+        "ratio_mean": mean(t.ratio),
+        "ppo_kl": mean(_k3(logp.detach() - prox_logp)),
+        "mismatch_kl": mean(_k3(prox_logp - sampler_logp)),
+        "is_weight_mean": mean(raw_is.clamp(max=params.get("tis_cap", float("inf")))),
+        "is_weight_max": raw_is.masked_fill(~trained, 0.0).max(),
+    }

@@ -30,8 +30,8 @@ from functools import partial
 
 import torch
 
-from consumers import checkpoint
-from consumers.batch import collate
+from consumers import advantages, checkpoint
+from consumers.batch import collator
 from consumers.feed import Feeder, Ready, parse_id
 from consumers.filters import GroupFilter, is_stale, unusable
 from consumers.learner import Learner
@@ -115,7 +115,7 @@ class Trainer:
             admission=self.admission,
             group_filter=self.group_filter,
             groups_per_step=tc.groups_per_step,
-            collate=lambda groups: collate(groups, std_normalize=tc.std_normalize, std_floor=tc.std_floor),
+            collate=collator(tc),
             version=lambda: self.version,
             high_water=self.high_water,
             pin_memory=self.learner.device.type == "cuda",
@@ -220,6 +220,7 @@ class Trainer:
         if self.step % self.tc.checkpoint_every == 0 or early:
             self.checkpoint()
         rewards = [r for g in ready.groups for r in g.rewards().tolist()]
+        lengths = [s.completion_len for g in ready.groups for s in g.samples]
         values = {
             **stats,
             "tokens_per_second": stats["tokens"] / max(step_seconds, 1e-9),
@@ -228,6 +229,8 @@ class Trainer:
             "staleness_mean": sum(lags) / len(lags),
             "staleness_max": float(max(lags)),
             "reward_mean": sum(rewards) / len(rewards),
+            "response_length_mean": sum(lengths) / len(lengths),
+            "response_length_max": float(max(lengths)),
             "version": float(self.version),
             "weight_sync_seconds": self.versions.last_seconds,
             "groups_accepted": float(len(ready.groups)),
@@ -291,7 +294,13 @@ def build_learner(cfg: RunConfig) -> Learner:
     torch.manual_seed(cfg.run.seed)
     model = models.load_model(cfg.model, seed=cfg.run.seed)
     ref = models.load_model(cfg.model, seed=cfg.run.seed) if cfg.trainer.kl_coef > 0 else None
-    return Learner(model, cfg.trainer, ref_model=ref)
+    if cfg.producer.top_p < 1:
+        log.warning(
+            "producer.top_p = %s: samplers report nucleus-renormalised log-probs, the trainer full-softmax "
+            "ones, so every importance weight is the nucleus mass (< 1); see producers/samplers.py",
+            cfg.producer.top_p,
+        )
+    return Learner(model, cfg.trainer, ref_model=ref, temperature=cfg.producer.temperature)
 
 
 def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
@@ -311,6 +320,11 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     try:
         url = cfg.require_redis_url()
         group_filter = GroupFilter.from_config(cfg.trainer)  # a bad user_filter: before anything runs
+        advantages.check_group_size(
+            advantages.resolve(cfg.trainer),
+            group_size=cfg.producer.group_size,
+            min_group_size=cfg.trainer.min_group_size,
+        )
         client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
         keys = Keys(cfg.run.name)
         learner = build_learner(cfg)

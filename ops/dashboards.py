@@ -81,7 +81,35 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ts("Loss", (m(TRAIN + "loss"), "loss"), (m(TRAIN + "policy_loss"), "policy loss")),
             ts("KL to reference", (m(TRAIN + "kl"), "kl")),
             ts("Entropy", (m(TRAIN + "entropy"), "entropy")),
-            ts("Clip fraction", (m(TRAIN + "clip_fraction"), "clipped"), unit="percentunit"),
+            ts(
+                "Clip fraction",
+                (m(TRAIN + "clip_fraction"), "clipped"),
+                (m(TRAIN + "clip_low_fraction"), "low side (A < 0)"),
+                (m(TRAIN + "clip_high_fraction"), "high side (A > 0)"),
+                unit="percentunit",
+            ),
+            ts(
+                "Trainer vs sampler mismatch (KL)",
+                (m(TRAIN + "mismatch_kl"), "KL(sampler || trainer)"),
+            ),
+            ts(
+                "PPO KL and ratio",
+                (m(TRAIN + "ppo_kl"), "KL(proximal || current)"),
+                (m(TRAIN + "ratio_mean"), "ratio mean"),
+            ),
+            ts(
+                "Trained response length (tokens)",
+                (m(TRAIN + "response_length_mean"), "mean"),
+                (m(TRAIN + "response_length_max"), "max"),
+            ),
+            ts(
+                "Step phases",
+                (m(TRAIN + "proximal_forward_seconds"), "proximal forward"),
+                (m(TRAIN + "reference_forward_seconds"), "reference forward"),
+                (m(TRAIN + "forward_backward_seconds"), "forward-backward"),
+                (m(TRAIN + "optimizer_seconds"), "optimizer"),
+                unit="s",
+            ),
             ts("Grad norm", (m(TRAIN + "grad_norm"), "grad norm")),
             ts("Learning rate", (m(TRAIN + "lr"), "lr")),
             ts(
@@ -104,6 +132,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 (rate(TRAIN + "groups_rejected_too_few_samples_total"), "too few samples"),
                 (rate(TRAIN + "groups_rejected_overlong_total"), "overlong"),
                 (rate(TRAIN + "groups_rejected_user_filter_total"), "user filter"),
+                (rate(TRAIN + "groups_rejected_too_long_total"), "too long"),
+                (rate(TRAIN + "optimizer_steps_skipped_total"), "optimizer steps skipped"),
             ),
             ts(
                 "Staleness (versions)",

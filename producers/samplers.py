@@ -13,7 +13,16 @@ renormalised to the top-p nucleus. With ``temperature == 1`` and ``top_p == 1`` 
 default) that is the model's plain log-softmax, which is what the trainer's importance
 correction compares against. ``temperature == 0`` means greedy decoding and reports the
 plain log-softmax. (vLLM reports raw, untempered log-probs by default; start it with
-``--logprobs-mode processed_logprobs`` to match this definition when temperature != 1.)
+``--logprobs-mode processed_logprobs`` to match this definition when temperature != 1, and
+say so with ``producer.remote_logprobs = "processed"``: with "raw", a temperature other than
+0 or 1, or top_p < 1, is a config error.)
+
+The trainer computes its log-probs at the same temperature (``softmax(logits / T)``), so on
+fresh data its importance weight ``exp(prox - sampler)`` is 1 up to numerics. It does not
+apply top-p: with ``top_p < 1`` the sampler's log-prob is renormalised over the nucleus,
+``log p_T(x) - log Z`` with ``Z`` the nucleus mass, so every weight is ``Z <= 1`` (a token
+drawn where the distribution is flat is down-weighted most) and ``mismatch_kl`` is above 0
+for that reason alone. Use ``top_p = 1`` for training, as verl and AReaL recommend.
 """
 
 from __future__ import annotations

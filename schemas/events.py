@@ -155,7 +155,7 @@ class WeightSync(msgspec.Struct, frozen=True, tag="weights", kw_only=True):
     """A new policy version: where its weights are and how to check them."""
 
     version: int
-    step: int  # trainer optimizer step that produced these weights
+    step: int  # trainer step that produced these weights (not optimizer steps)
     uri: str  # file:// URI of a safetensors file (HF layout) or a directory holding one
     sha256: str
     at: float = msgspec.field(default_factory=_now)

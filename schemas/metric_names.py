@@ -12,7 +12,7 @@ from typing import Literal
 
 Kind = Literal["gauge", "counter"]
 
-REJECT_REASONS = ("stale", "zero_variance", "too_few_samples", "overlong", "user_filter")
+REJECT_REASONS = ("stale", "zero_variance", "too_few_samples", "overlong", "user_filter", "too_long")
 
 TRAIN: dict[str, tuple[Kind, str]] = {
     "loss": ("gauge", "total loss of the step"),
@@ -20,12 +20,26 @@ TRAIN: dict[str, tuple[Kind, str]] = {
     "kl": ("gauge", "k3 KL to the reference model"),
     "entropy": ("gauge", "mean token entropy of the policy on trained tokens"),
     "clip_fraction": ("gauge", "ratio of trained tokens whose PPO ratio was clipped"),
+    "clip_low_fraction": ("gauge", "ratio of trained tokens clipped at the lower bound (A < 0)"),
+    "clip_high_fraction": (
+        "gauge",
+        "ratio of trained tokens clipped at the upper bound (A > 0, or dual clip)",
+    ),
+    "ratio_mean": ("gauge", "mean ratio of current to proximal policy on trained tokens"),
+    "ppo_kl": ("gauge", "k3 KL(proximal || current) on trained tokens: how far the updates moved"),
+    "mismatch_kl": ("gauge", "k3 KL(sampler || trainer) on trained tokens: inference/training mismatch"),
     "is_weight_mean": ("gauge", "mean truncated importance weight"),
     "is_weight_max": ("gauge", "max importance weight before truncation"),
+    "proximal_forward_seconds": ("gauge", "time of the step's proximal log-prob forward passes"),
+    "reference_forward_seconds": ("gauge", "time of the step's reference-model forward passes"),
+    "forward_backward_seconds": ("gauge", "time of the step's forward and backward passes"),
+    "optimizer_seconds": ("gauge", "time of the step's grad clipping and optimizer updates"),
+    "response_length_mean": ("gauge", "mean completion tokens of the trained samples"),
+    "response_length_max": ("gauge", "max completion tokens of the trained samples"),
     "grad_norm": ("gauge", "global gradient norm before clipping"),
-    "lr": ("gauge", "learning rate"),
+    "lr": ("gauge", "learning rate of the step's last optimizer step"),
     "tokens_per_second": ("gauge", "trained tokens per second of step time"),
-    "step_seconds": ("gauge", "wall time of the optimizer step"),
+    "step_seconds": ("gauge", "wall time of the trainer step (ppo_minibatches optimizer steps)"),
     "data_wait_seconds": ("gauge", "time the step waited for data"),
     "staleness_mean": ("gauge", "mean version lag of the batch's groups"),
     "staleness_max": ("gauge", "max version lag of the batch's groups"),
@@ -33,6 +47,7 @@ TRAIN: dict[str, tuple[Kind, str]] = {
     "version": ("gauge", "policy version after the step"),
     "weight_sync_seconds": ("gauge", "time to write and publish the new weights"),
     "groups_accepted": ("counter", "groups trained"),
+    "optimizer_steps_skipped": ("counter", "optimizer steps skipped for a non-finite gradient"),
     "tokens": ("counter", "trained tokens"),
     **{
         f"groups_rejected_{r}": ("counter", f"groups rejected: {r.replace('_', ' ')}") for r in REJECT_REASONS

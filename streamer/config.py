@@ -82,6 +82,7 @@ class ProducerSection(_Section):
     remote_retries: int = 3  # bounded retries with backoff
     remote_concurrency: int = 8  # in-flight requests per producer
     reload_endpoint: str = "/update_weights_from_disk"  # POSTed on new weights (SGLang)
+    remote_logprobs: Literal["raw", "processed"] = "raw"  # what the server reports: see below
     reward: str = ""  # "module:function" (row, text, sample) -> float; "" = demo reward / exact_match
     lease_seconds: float = 60.0  # row lease; renewed while working, expired rows are re-issued
     epochs: int = 0  # stop after this many passes over the dataset; 0 = forever
@@ -101,17 +102,69 @@ class ProducerSection(_Section):
             raise ValueError("`min_group_size` must be <= `group_size`")
         if self.sampler == "remote" and not self.remote_url:
             raise ValueError('`remote_url` is required when `sampler` is "remote"')
+        transformed = self.temperature not in (0.0, 1.0) or self.top_p < 1
+        if self.sampler == "remote" and self.remote_logprobs == "raw" and transformed:
+            raise ValueError(
+                '`remote_logprobs` is "raw" (vLLM\'s default: log-probs before temperature and top-p) '
+                f"but temperature = {self.temperature}, top_p = {self.top_p}: the trainer's importance "
+                "weights would mix the sampling transform into staleness. Start vLLM with "
+                '`--logprobs-mode processed_logprobs` and set remote_logprobs = "processed"'
+            )
+
+
+class _ClipSection(_Section):
+    def __post_init__(self) -> None:
+        self._positive("eps_low", "eps_high", allow_zero=True)
+
+
+class DapoSection(_ClipSection):
+    eps_low: float = 0.2  # (dapo) ratio >= 1 - eps_low
+    eps_high: float = 0.28  # (dapo) ratio <= 1 + eps_high: clip-higher, wider than eps_low
+    eps_clip_c: float = 3.0  # (dapo) dual clip: a negative-advantage token's term is bounded at c*A
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.eps_clip_c <= 1:
+            raise ValueError(f"`eps_clip_c` must be > 1, got {self.eps_clip_c}")
+
+
+class GspoSection(_ClipSection):
+    eps_low: float = 3e-4  # (gspo) sequence ratio >= 1 - eps_low
+    eps_high: float = 4e-4  # (gspo) sequence ratio <= 1 + eps_high
+
+
+class CispoSection(_ClipSection):
+    eps_low: float = 1.0  # (cispo) IS weight >= 1 - eps_low (1 = no lower bound)
+    eps_high: float = 4.0  # (cispo) IS weight <= 1 + eps_high
+
+
+Precision = Literal["auto", "float32", "bfloat16", "float16"]
+LossName = Literal["grpo", "dapo", "gspo", "cispo", "reinforce", "importance_sampling"]
+
+# loss -> the trainer keys it reads (dotted: its own section); the config reference prints it
+LOSS_KEYS = {
+    "grpo": ("tis_cap", "eps_low", "eps_high"),
+    "dapo": ("tis_cap", "dapo.eps_low", "dapo.eps_high", "dapo.eps_clip_c"),
+    "gspo": ("tis_cap", "gspo.eps_low", "gspo.eps_high"),
+    "cispo": ("tis_cap", "cispo.eps_low", "cispo.eps_high"),
+    "reinforce": ("tis_cap",),
+    "importance_sampling": (),
+}
+ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo")
 
 
 class TrainerSection(_Section):
-    groups_per_step: int = 8  # accepted groups per optimizer step
+    groups_per_step: int = 8  # accepted groups per trainer step
     max_staleness: int = 1  # versions a group may lag the policy; 0 = synchronous on-policy
     steps: int = 0  # stop after this many steps; 0 = forever
     lr: float = 1e-5  # AdamW learning rate
-    warmup_steps: int = 0  # linear LR warmup
+    warmup_steps: int = 0  # linear LR warmup, in optimizer steps
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup (consumers/schedule.py)
+    lr_decay_steps: int = 0  # optimizer steps from 0 to the end of decay; 0 = steps * ppo_minibatches
+    min_lr_ratio: float = 0.0  # the decayed LR's floor, as a fraction of lr
     weight_decay: float = 0.01  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm
-    ppo_minibatches: int = 1  # optimizer updates per step
+    ppo_minibatches: int = 1  # optimizer steps per trainer step (the batch split in row slices)
     eps_low: float = 0.2  # PPO clip: ratio >= 1 - eps_low
     eps_high: float = 0.2  # PPO clip: ratio <= 1 + eps_high
     tis_cap: float = 5.0  # truncated importance weight cap against sampler log-probs
@@ -127,14 +180,32 @@ class TrainerSection(_Section):
     min_group_size: int = 2  # fewer samples (after dropping over-long ones) rejects the group
     micro_batch_size: int = 0  # samples per forward/backward (grad accumulation); 0 = whole minibatch
     keep_checkpoints: int = 2  # full checkpoints kept; older ones keep only their audit metadata
+    loss: LossName = "grpo"  # grpo, dapo, gspo, cispo, reinforce, importance_sampling (table below)
+    advantage: str = "grpo"  # grpo (z-score), dr_grpo (no std), rloo (leave one out) or module:function
+    max_seq_len: int = 0  # groups with a sample (prompt + completion) longer are rejected (too_long); 0 = off
+    precision: Precision = "auto"  # autocast dtype; auto = model.dtype if half; weights stay float32
+    dapo: DapoSection = msgspec.field(default_factory=DapoSection)  # read when loss = "dapo"
+    gspo: GspoSection = msgspec.field(default_factory=GspoSection)  # read when loss = "gspo"
+    cispo: CispoSection = msgspec.field(default_factory=CispoSection)  # read when loss = "cispo"
 
     def __post_init__(self) -> None:
         self._positive("groups_per_step", "lr", "grad_clip", "ppo_minibatches", "tis_cap")
         self._positive("checkpoint_every", "keep_versions", "std_floor")
         self._positive("min_group_size", "keep_checkpoints")
-        self._positive("micro_batch_size", allow_zero=True)
+        self._positive("micro_batch_size", "max_seq_len", "lr_decay_steps", "min_lr_ratio", allow_zero=True)
+        if self.min_lr_ratio > 1:
+            raise ValueError(f"`min_lr_ratio` must be <= 1, got {self.min_lr_ratio}")
+        if self.lr_schedule != "constant" and not (self.lr_decay_steps or self.steps):
+            raise ValueError(
+                f"`lr_schedule` = {self.lr_schedule!r} needs a length: set `lr_decay_steps` or `steps`"
+            )
         self._positive("max_staleness", "steps", "warmup_steps", "kl_coef", allow_zero=True)
         self._positive("eps_low", "eps_high", "weight_decay", allow_zero=True)
+        if ":" not in self.advantage and "." not in self.advantage and self.advantage not in ADVANTAGE_NAMES:
+            raise ValueError(
+                f"`advantage` must be one of {', '.join(ADVANTAGE_NAMES)} or 'module:function', "
+                f"got {self.advantage!r}"
+            )
 
 
 class EvalSection(_Section):
@@ -170,6 +241,19 @@ class RunConfig(_Section):
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+
+    def __post_init__(self) -> None:
+        builtin = self.trainer.advantage in ADVANTAGE_NAMES
+        if builtin and self.producer.group_size < 2:
+            raise ValueError(  # every group would be rejected as zero-variance, silently
+                f"key `producer.group_size`: is 1, but advantage {self.trainer.advantage!r} compares a "
+                "group's samples and needs at least 2 (or an advantage function that works on one sample)"
+            )
+        if builtin and self.trainer.min_group_size < 2:
+            raise ValueError(
+                f"key `trainer.min_group_size`: is {self.trainer.min_group_size}, but advantage "
+                f"{self.trainer.advantage!r} needs at least 2 samples per group"
+            )
 
     @property
     def run_dir(self) -> Path:

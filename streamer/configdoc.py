@@ -20,19 +20,44 @@ def _comments(cls: type) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _rows(prefix: str, obj: msgspec.Struct) -> list[str]:
+    """One row per field of ``obj``; a nested section's fields follow under its dotted name."""
+    notes = _comments(type(obj))
+    rows = []
+    for f in msgspec.structs.fields(type(obj)):
+        value = getattr(obj, f.name)
+        if isinstance(value, msgspec.Struct):
+            rows.extend(_rows(f"{prefix}.{f.name}", value))
+            continue
+        typ, doc = notes.get(f.name, ("", ""))
+        rows.append(f"| `{prefix}.{f.name}` | `{typ}` | `{value!r}` | {doc} |".replace("`''`", '`""`'))
+    return rows
+
+
+def _loss_table() -> list[str]:
+    lines = [
+        "",
+        "Which keys each `trainer.loss` reads (all of them also read `trainer.loss_agg` and `trainer.kl_coef`):",
+        "",
+    ]
+    lines += ["| `trainer.loss` | keys |", "| --- | --- |"]
+    for name, keys in config.LOSS_KEYS.items():
+        lines.append(f"| `{name}` | {', '.join(f'`trainer.{k}`' for k in keys) or 'none'} |")
+    lines += [
+        "",
+        '`loss_agg = "seq-mean"` averages each sequence\'s trained tokens, then divides by the number '
+        "of sequences with at least one trained token (not by all rows): a fully masked sample does "
+        "not dilute the mean.",
+    ]
+    return lines
+
+
 def render() -> str:
     lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     root = config.RunConfig()
     for section in msgspec.structs.fields(config.RunConfig):
-        obj = getattr(root, section.name)
-        notes = _comments(type(obj))
-        for f in msgspec.structs.fields(type(obj)):
-            typ, doc = notes.get(f.name, ("", ""))
-            default = getattr(obj, f.name)
-            lines.append(
-                f"| `{section.name}.{f.name}` | `{typ}` | `{default!r}` | {doc} |".replace("`''`", '`""`')
-            )
-    return "\n".join(lines)
+        lines.extend(_rows(section.name, getattr(root, section.name)))
+    return "\n".join(lines + _loss_table())
 
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from consumers.exporter import SERIES, Exporter
 from schemas import DeadLetter, MetricsEvent, WeightSync, encode
+from schemas.metric_names import REJECT_REASONS
 from streamer.bus import FIELD, Publisher, connect
 from streamer.config import RunConfig, replace
 from streamer.keys import METRICS_GROUP, Keys
@@ -79,7 +80,7 @@ AFTER = [  # published while it runs: read through the consumer group
         axis="train", step=3, source="trainer", values={"My Metric/x": 7.0, "step": 99.0}
     ),  # unknown: one sanitised, one colliding
 ]
-REJECTED_ZERO = ["zero_variance", "too_few_samples", "overlong", "user_filter"]
+REJECTED_ZERO = [r for r in REJECT_REASONS if r != "stale"]
 EXPECTED = {
     ("streamer_train_step", ()): 3,
     ("streamer_train_loss", ()): 0.25,
@@ -87,6 +88,7 @@ EXPECTED = {
     ("streamer_train_groups_accepted_total", ()): 16,
     ("streamer_train_groups_rejected_stale_total", ()): 1,
     **{(f"streamer_train_groups_rejected_{r}_total", ()): 0 for r in REJECTED_ZERO},
+    ("streamer_train_optimizer_steps_skipped_total", ()): 0,
     ("streamer_train_my_metric_x", ()): 7.0,
     ("streamer_rollout_step", ()): 6,
     ("streamer_rollout_reward_mean", ()): 0.0,

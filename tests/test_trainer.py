@@ -115,7 +115,8 @@ def test_rejections_release_slots_and_are_counted(redis_url, keys, client, tmp_p
     assert set(event.values) == set(TRAIN)
     prefix = "groups_rejected_"
     rejected = {k.removeprefix(prefix): v for k, v in event.values.items() if k.startswith(prefix)}
-    assert rejected == {"stale": 1, "zero_variance": 1, "overlong": 1, "too_few_samples": 1, "user_filter": 0}
+    expected = {"stale": 1, "zero_variance": 1, "overlong": 1, "too_few_samples": 1, "user_filter": 0}
+    assert rejected == {**expected, "too_long": 0}
     assert event.values["groups_accepted"] == 2
     assert event.values["staleness_max"] == 1 and event.values["staleness_mean"] == 0.5
     assert event.values["version"] == 7
