@@ -11,6 +11,10 @@ optimizer steps:
    over micro-batches of ``micro_batch_size`` rows (normalised by the whole minibatch),
    clip the global grad norm, set the scheduled LR (consumers/schedule.py) and take one
    AdamW update (skipped if the gradient is not finite: consumers/precision.py).
+
+Under torchrun (consumers/distributed.py) every rank runs this same step on its rows of
+each minibatch; denominators are the whole minibatch's and gradients and metrics are
+summed over ranks, so the result equals the single-device step.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from consumers import loss as L
 from consumers import losses, precision, schedule
 from consumers.batch import Batch
+from consumers.distributed import DataParallel
 from streamer.config import TrainerSection
 
 log = logging.getLogger(__name__)
@@ -32,7 +37,14 @@ BETAS = (0.9, 0.999)
 
 class Learner:
     def __init__(
-        self, model, cfg: TrainerSection, *, ref_model=None, step: int = 0, temperature: float = 1.0
+        self,
+        model,
+        cfg: TrainerSection,
+        *,
+        ref_model=None,
+        step: int = 0,
+        temperature: float = 1.0,
+        dp: DataParallel | None = None,
     ):
         """``temperature``: the samplers' (``producer.temperature``; 0 = greedy = 1 here). The
         proximal, current and reference log-probs are all of ``softmax(logits / temperature)``,
@@ -44,6 +56,7 @@ class Learner:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.model, self.cfg, self.ref_model, self.step = model, cfg, ref_model, step
+        self.dp = dp  # data-parallel collectives under torchrun; None on one device
         self.temperature = temperature if temperature > 0 else 1.0
         self.phases = dict.fromkeys(PHASES, 0.0)  # seconds per phase of the current trainer step
         self.device = next(model.parameters()).device
@@ -76,7 +89,9 @@ class Learner:
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> tuple[Batch, float]:
-        """Fill ``prox_logp`` (and ``ref_logp``); returns the batch and its mean entropy."""
+        """Fill ``prox_logp`` (and ``ref_logp``); returns the batch and its summed weighted entropy."""
+        if batch.size == 0:  # a data-parallel rank's share of a small minibatch
+            return batch, 0.0
         micro = self.cfg.micro_batch_size
         prox, ref, ent_sum = [], [], 0.0
         width = batch.weights.shape[1]
@@ -95,21 +110,29 @@ class Learner:
                 ref.append(_pad(L.token_logprobs(ref_logits, mb.targets, self.temperature), width))
                 self.phases["reference_forward_seconds"] += self._clock() - t1
         batch = batch.replace(prox_logp=torch.cat(prox), ref_logp=torch.cat(ref) if ref else None)
-        return batch, ent_sum / max(float(batch.weights.sum()), 1e-8)
+        return batch, ent_sum
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One trainer step on ``batch`` (``ppo_minibatches`` optimizer steps); returns its metrics."""
         self.model.train()
         self.phases = dict.fromkeys(PHASES, 0.0)
         batch = batch.to(self.device, non_blocking=True)
-        batch, entropy = self.prepare(batch)
-        totals: dict[str, float] = {}
         minibatches = batch.split(self.cfg.ppo_minibatches)
-        for i, mb in enumerate(minibatches):
+        # every proximal log-prob before the first update; a rank prepares only its own rows
+        mine, entropy = [], 0.0
+        for mb in minibatches:
+            prepared, ent = self.prepare(self.dp.shard(mb) if self.dp else mb)
+            mine.append(prepared)
+            entropy += ent
+        if self.dp:
+            entropy = self.dp.sum_metrics({"e": entropy})["e"]
+        entropy /= max(float(batch.weights.sum()), 1e-8)
+        totals: dict[str, float] = {}
+        for i, (mb, local) in enumerate(zip(minibatches, mine)):
             lr = self.lr_at(self.step * self.cfg.ppo_minibatches + i)  # counted in optimizer steps
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            for k, v in self._update(mb).items():
+            for k, v in self._update(local, whole=mb).items():
                 totals[k] = max(totals.get(k, 0.0), v) if k == "is_weight_max" else totals.get(k, 0.0) + v
         self.step += 1
         n = len(minibatches)
@@ -124,15 +147,19 @@ class Learner:
             torch.cuda.synchronize(self.device)
         return time.monotonic()
 
-    def _update(self, mb: Batch) -> dict[str, float]:
-        """Accumulate the minibatch's gradient over micro-batches, clip, step."""
+    def _update(self, mb: Batch, *, whole: Batch) -> dict[str, float]:
+        """Accumulate the minibatch's gradient over micro-batches, clip, step.
+
+        ``mb`` is this rank's rows of the minibatch ``whole`` (all of it on one device); the
+        loss is normalised by ``whole``'s denominator, so per-rank gradients add up exactly.
+        """
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
-        denom = L.normalizer(mb.weights, cfg.loss_agg)
-        n_tok = max(float((mb.weights > 0).sum()), 1.0)
+        denom = L.normalizer(whole.weights, cfg.loss_agg)
+        n_tok = max(float((whole.weights > 0).sum()), 1.0)
         out = {"loss": 0.0, "is_weight_max": 0.0}
         t0 = self._clock()
-        for micro in mb.chunks(cfg.micro_batch_size):
+        for micro in mb.chunks(cfg.micro_batch_size) if mb.size else ():
             logits = self.forward_logits(self.model, micro)
             logp = L.token_logprobs(logits, micro.targets, self.temperature)
             loss, stats = L.policy_loss(
@@ -156,6 +183,9 @@ class Learner:
                     out[k] = max(out[k], float(v))
                 else:  # aggregated terms sum over micro-batches; token means weigh by share
                     out[k] = out.get(k, 0.0) + float(v) * (1.0 if k in _SUMMED else share)
+        if self.dp:  # the sum over ranks is the single-device gradient (and metrics)
+            self.dp.sum_grads(self.params)
+            out = self.dp.sum_metrics(out, maxima=("is_weight_max",))
         t1 = self._clock()
         out["grad_norm"], skipped = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
         out["optimizer_steps_skipped"] = float(skipped)

@@ -27,11 +27,13 @@ import signal
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from consumers import advantages, checkpoint
 from consumers.batch import collator
+from consumers.distributed import DataParallel
 from consumers.feed import Feeder, Ready, parse_id
 from consumers.filters import GroupFilter, is_stale, unusable
 from consumers.learner import Learner
@@ -63,9 +65,11 @@ class Trainer:
         stop: threading.Event,
         name: str = CONSUMER_NAME,
         group_filter: GroupFilter | None = None,
+        dp: DataParallel | None = None,
     ):
         self.cfg, self.tc, self.client, self.keys = cfg, cfg.trainer, client, keys
         self.learner, self.stop, self.name = learner, stop, name
+        self.dp = dp  # under torchrun: this is rank 0, the other ranks follow its batches
         self.group_filter = group_filter or GroupFilter.from_config(self.tc)  # before any write
         self.admission = Admission(
             client, keys, max_staleness=self.tc.max_staleness, groups_per_step=self.tc.groups_per_step
@@ -124,6 +128,8 @@ class Trainer:
 
     def _restore(self) -> None:
         found = checkpoint.latest(self.cfg.checkpoint_dir)
+        if self.dp:  # every rank restores the same checkpoint (the data dir is shared)
+            self.dp.send_restore("" if found is None else str(found[0]))
         if found is None:
             log.info("no checkpoint in %s: starting from the initial weights", self.cfg.checkpoint_dir)
             return
@@ -170,6 +176,8 @@ class Trainer:
             finally:
                 if self.feeder is not None:
                     self.feeder.stop()
+                if self.dp:
+                    self.dp.send_stop()
             if self.trained:
                 self.checkpoint()
             self.versions.close()
@@ -208,6 +216,8 @@ class Trainer:
     def _train(self, ready: Ready, waited: float) -> None:
         lags = [self.version - g.policy_version for g in ready.groups]
         t0 = time.monotonic()
+        if self.dp:
+            self.dp.send_batch(ready.batch)
         stats = self.learner.train_step(ready.batch)
         step_seconds = time.monotonic() - t0
         self.trained.extend((e, g.group_id) for e, g in zip(ready.entry_ids, ready.groups))
@@ -288,19 +298,38 @@ class Trainer:
 # ---------------------------------------------------------------- the process
 
 
-def build_learner(cfg: RunConfig) -> Learner:
+def build_learner(cfg: RunConfig, dp: DataParallel | None = None) -> Learner:
     """The policy (and frozen reference) from the model config, seeded by run.seed."""
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
-    model = models.load_model(cfg.model, seed=cfg.run.seed)
-    ref = models.load_model(cfg.model, seed=cfg.run.seed) if cfg.trainer.kl_coef > 0 else None
+    dev = dp.device if dp else None  # under torchrun: this rank's device
+    model = models.load_model(cfg.model, seed=cfg.run.seed, dev=dev)
+    ref = models.load_model(cfg.model, seed=cfg.run.seed, dev=dev) if cfg.trainer.kl_coef > 0 else None
     if cfg.producer.top_p < 1:
         log.warning(
             "producer.top_p = %s: samplers report nucleus-renormalised log-probs, the trainer full-softmax "
             "ones, so every importance weight is the nucleus mass (< 1); see producers/samplers.py",
             cfg.producer.top_p,
         )
-    return Learner(model, cfg.trainer, ref_model=ref, temperature=cfg.producer.temperature)
+    return Learner(model, cfg.trainer, ref_model=ref, temperature=cfg.producer.temperature, dp=dp)
+
+
+def follow(cfg: RunConfig, dp: DataParallel) -> int:
+    """A rank > 0 under torchrun: restore what rank 0 restores, then train the batches it
+    broadcasts until it says stop. No Redis, no files written: rank 0 owns both."""
+    learner = build_learner(cfg, dp)
+    while True:
+        kind, payload = dp.receive()
+        if kind == "stop":
+            log.info("rank %d: stopped at step %d", dp.rank, learner.step)
+            return 0
+        if kind == "restore" and payload:
+            path = Path(payload)
+            meta = checkpoint.read_meta(path)
+            checkpoint.restore(path, meta, model=learner.model, optimizer=learner.optimizer)
+            learner.step = meta.step
+        elif kind == "batch":
+            learner.train_step(payload)
 
 
 def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
@@ -317,6 +346,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, on_signal)
     _quiet_transformers()
+    dp: DataParallel | None = None
     try:
         url = cfg.require_redis_url()
         group_filter = GroupFilter.from_config(cfg.trainer)  # a bad user_filter: before anything runs
@@ -325,14 +355,20 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
             group_size=cfg.producer.group_size,
             min_group_size=cfg.trainer.min_group_size,
         )
+        dp = DataParallel.init()  # under torchrun; rank 0 trains below, the others follow it
+        if dp is not None and dp.rank > 0:
+            return follow(cfg, dp)
         client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
         keys = Keys(cfg.run.name)
-        learner = build_learner(cfg)
+        learner = build_learner(cfg, dp)
         log.info("trainer for run %s on %s", cfg.run.name, learner.device)
-        return Trainer(cfg, client, keys, learner, stop=stop, group_filter=group_filter).run()
+        trainer = Trainer(cfg, client, keys, learner, stop=stop, group_filter=group_filter, dp=dp)
+        return trainer.run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if dp is not None:
+            dp.close()
 
 
 def _quiet_transformers() -> None:
