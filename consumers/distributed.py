@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -44,6 +45,28 @@ _FIELDS = (
     ("advantages", torch.float32, lambda b, t: (b,)),
 )
 _STOP, _BATCH, _RESTORE = 0, 1, 2
+
+
+def launch(nproc: int, argv: list[str]) -> None:
+    """``streamer train --nproc N``: replace this process with torchrun running N ranks of
+    the same command (``argv`` without ``--nproc``) on this machine."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    args += ["-m", "streamer", *argv]
+    log.info("starting %d data-parallel ranks: %s", nproc, " ".join(args[1:]))
+    os.execv(sys.executable, args)
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` with any ``--nproc N`` / ``--nproc=N`` removed."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
 
 
 def world() -> tuple[int, int, int]:

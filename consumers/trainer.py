@@ -24,6 +24,7 @@ import argparse
 import logging
 import random
 import signal
+import sys
 import threading
 import time
 from functools import partial
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from consumers import advantages, checkpoint
+from consumers import advantages, checkpoint, distributed
 from consumers.batch import collator
 from consumers.distributed import DataParallel
 from consumers.feed import Feeder, Ready, parse_id
@@ -334,6 +335,9 @@ def follow(cfg: RunConfig, dp: DataParallel) -> int:
 
 def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     """`streamer train`: run until trainer.steps (0 = forever) or SIGTERM/SIGINT; 0 when stopped."""
+    nproc = getattr(args, "nproc", 1) or 1
+    if nproc > 1 and distributed.world()[1] == 1:  # `--nproc N` outside torchrun: start it
+        distributed.launch(nproc, distributed.without_nproc(sys.argv[1:]))
     stop = threading.Event()
     previous = {}
 

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = role("train", "the trainer consumer")
     tr.add_argument("--steps", type=int, help="override trainer.steps")
+    tr.add_argument("--nproc", type=int, default=1, help="data-parallel ranks on this machine (via torchrun)")
     pr = role("produce", "a rollout producer")
     pr.add_argument("--id", help="producer id (default: host-pid)")
     pr.add_argument("--max-groups", type=int, help="override producer.max_groups")

@@ -81,12 +81,12 @@ def _config(tmp_path: Path, run: str, steps: int) -> Path:
     )
 
 
-def _train(config: Path, url: str, nproc: int, tmp_path: Path, **kw) -> subprocess.CompletedProcess:
-    args = ["-m", "streamer", "train", "--config", str(config), "--redis-url", url]
+def _train(config: Path, url: str, nproc: int, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    args = ["-m", "streamer", "train", "--config", str(config), "--redis-url", url, *extra]
     if nproc == 1:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
         return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
-    return torchrun(*args, nproc=nproc, cwd=tmp_path, **kw)
+    return torchrun(*args, nproc=nproc, cwd=tmp_path)
 
 
 def test_torchrun_trainer_equals_one_process_and_a_killed_rank_loses_nothing(private_valkey, tmp_path):
@@ -123,7 +123,7 @@ def test_torchrun_trainer_equals_one_process_and_a_killed_rank_loses_nothing(pri
     victim = _rank_pid(agent.pid, rank=1)
     os.kill(victim, signal.SIGKILL)
     assert agent.wait(120) != 0, "torchrun reported success after a rank was killed"
-    done = _train(config, private_valkey.url, 2, tmp_path)
+    done = _train(config, private_valkey.url, 1, tmp_path, "--nproc", "2")  # the shortcut to torchrun
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     chain = checkpoint.audit_chain(tmp_path / "data" / "killed" / "checkpoints")
     trained = [g for m in chain for g in m.group_ids]
