@@ -172,12 +172,16 @@ class LocalCluster:
 
     def __init__(self, data_dir: str | Path, *, masters: int = 3):
         self.data_dir = Path(data_dir).resolve()
+        # the cluster bus port is given explicitly: its default (port + 10000) does not exist
+        # for the ephemeral ports free_port() hands out above 55535
+        self.bus_ports = [free_port() for _ in range(masters)]
         self.nodes = [
             EmbeddedServer(
                 self.data_dir / f"node{i}",
-                extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+                extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+                + ("--cluster-port", str(bus)),
             )
-            for i in range(masters)
+            for i, bus in enumerate(self.bus_ports)
         ]
 
     @property
@@ -193,8 +197,8 @@ class LocalCluster:
             for i, c in enumerate(clients):
                 last = self.SLOTS - 1 if i == len(clients) - 1 else (i + 1) * share - 1
                 c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share, last)
-            for n in self.nodes[1:]:
-                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", n.port)
+            for n, bus in zip(self.nodes[1:], self.bus_ports[1:]):
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", n.port, bus)
             deadline = time.monotonic() + timeout
             while not all(_cluster_ok(c, len(self.nodes)) for c in clients):
                 if time.monotonic() > deadline:
