@@ -71,13 +71,16 @@ def load_adapter(model, directory: Path):
     """
     directory = Path(directory)
     if not is_peft(model):
-        from peft import PeftModel
+        # not PeftModel.from_pretrained: it falls back to torch.load of adapter_model.bin
+        from peft import LoraConfig, get_peft_model
 
-        wrapped = PeftModel.from_pretrained(model, str(directory), is_trainable=False)
-        log.info("applied LoRA adapter from %s", directory)
-        return wrapped.eval()
+        saved = json.loads((directory / ADAPTER_CONFIG).read_text())
+        keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "fan_in_fan_out")
+        config = LoraConfig(task_type="CAUSAL_LM", **{k: saved[k] for k in keys if k in saved})
+        model = get_peft_model(model, config).requires_grad_(False)
+        log.info("applied LoRA adapter from %s (rank %d)", directory, config.r)
     load_adapter_state(model, directory)
-    return model
+    return model.eval()
 
 
 def load_adapter_state(model, directory: Path) -> None:
