@@ -29,6 +29,11 @@ The goal (issue 8): publish-to-every-producer (WeightSync.at -> last producer lo
     python bench/weight_sync.py                        # demo + ~100M model, 1 and 4 producers
     python bench/weight_sync.py --quick                # smoke run (demo only)
     python bench/weight_sync.py --models big --versions 10 --producers 1 4 8
+    python bench/weight_sync.py --models big --producers 1 --lora 0 16   # LoRA rank 16 vs full
+
+With ``--lora R`` the model is wrapped in a rank-R LoRA adapter (streamer/lora.py): each
+version publishes the adapter only (PEFT layout) and the producers, configured with the same
+``[model.lora]``, apply it to their base. ``MB/version`` is the version directory's size.
 """
 
 from __future__ import annotations
@@ -147,10 +152,11 @@ def producer_child(config: str, producer_id: str, latency: float, *, verify: boo
         client.close()
 
 
-def write_config(path: Path, *, run: str, url: str, model: str) -> Path:
+def write_config(path: Path, *, run: str, url: str, model: str, lora_rank: int = 0) -> Path:
+    adapter = f"[model.lora]\nrank = {lora_rank}\nalpha = {2 * lora_rank}\n" if lora_rank else ""
     path.write_text(
         f'[run]\nname = "{run}"\nredis_url = "{url}"\ndata_dir = "{path.parent}"\n'
-        f'[model]\nname_or_path = "{model}"\n[bus]\nmax_unacked = {WIDE_OPEN}\n'
+        f'[model]\nname_or_path = "{model}"\n{adapter}[bus]\nmax_unacked = {WIDE_OPEN}\n'
         "[producer]\ngroup_size = 2\nmin_group_size = 1\nmax_new_tokens = 1\n"
         'reward = "streamer.demo:reward"\ntorch_threads = 1\nshutdown_grace = 5.0\n'
     )
@@ -272,13 +278,15 @@ class Clock:
         return out
 
 
-def raw_save_load(model, path: Path) -> tuple[float, float]:
-    """Seconds for safetensors save_file of the model's tensors, load_file, and the copy
+def raw_save_load(model, path: Path, published=None) -> tuple[float, float]:
+    """Seconds for safetensors save_file of the published tensors, load_file, and the copy
     into the model (what any reload needs): the floor a file-based sync could reach."""
     from safetensors.torch import load_file, save_file
 
     seen, state = set(), {}
-    for name, t in model.state_dict().items():  # tied tensors once (safetensors refuses aliases)
+    for name, t in (
+        (published or model).state_dict().items()
+    ):  # tied tensors once (safetensors refuses aliases)
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             state[name] = t
@@ -304,15 +312,18 @@ def one_version(
     workdir: Path,
     jitter: float,
     clock: Clock,
+    published=None,
 ) -> dict:
     """Publish ``version``, wait until every producer loaded it; its timings."""
+    published = published if published is not None else model
     with torch.no_grad():
         for p in model.parameters():  # a different version (as a step would make it)
-            p.add_(1e-6)
+            if p.requires_grad:  # with LoRA: the adapter only
+                p.add_(1e-6)
     time.sleep(random.uniform(0.0, jitter))  # out of phase with the producers' groups
     clock.take()
     submitted = time.time()
-    publisher.submit(model, version=version, step=version)
+    publisher.submit(published, version=version, step=version)
     publisher.drain()
     _, fields = client.xrevrange(keys.policy, count=1)[0]
     sync = decode(fields[FIELD], WeightSync)
@@ -322,8 +333,10 @@ def one_version(
     took = {p: loads.load_seconds(p, done[p]) for p in producers}
     last = max(done.values())
     parts = clock.take()
-    raw_save, raw_load = raw_save_load(model, workdir / "raw.safetensors")
+    raw_save, raw_load = raw_save_load(model, workdir / "raw.safetensors", published)
+    vdir = weights.version_dir(publisher.root, version)
     return {
+        "bytes": float(sum(f.stat().st_size for f in vdir.iterdir())) if vdir.exists() else float("nan"),
         **parts,
         "publish": sync.at - submitted,
         "path": sync.at - submitted + max(took.values()),
@@ -337,20 +350,31 @@ def one_version(
     }
 
 
-def measure(kind: str, *, url: str, workdir: Path, args, clock: Clock) -> dict[int, list[dict]]:
+def measure(
+    kind: str, *, url: str, workdir: Path, args, clock: Clock, lora_rank: int = 0
+) -> dict[int, list[dict]]:
     """Per producer count: the timings of each measured version (for one model)."""
     workdir.mkdir(parents=True)
     model, source = build(kind, workdir, args)
+    published = model
+    if lora_rank:
+        from streamer import lora
+        from streamer.config import LoraSection
+
+        model = lora.apply(model, LoraSection(rank=lora_rank, alpha=2.0 * lora_rank))
+        published = lora.AdapterView(model)
     keys = C.fresh_keys("wsync")
     client = C.bench_client(url)
-    config = write_config(workdir / f"{keys.run}.toml", run=keys.run, url=url, model=source)
+    config = write_config(
+        workdir / f"{keys.run}.toml", run=keys.run, url=url, model=source, lora_rank=lora_rank
+    )
     Admission(client, keys, max_staleness=0, groups_per_step=1).publish_limits(
         max_staleness=0, groups_per_step=WIDE_OPEN
     )
     publisher = VersionPublisher(
         client, keys, root=workdir / keys.run / "weights", keep_versions=3, protect=lambda: -1
     )
-    publisher.publish_now(model, version=0, step=0)  # as the trainer does at start
+    publisher.publish_now(published, version=0, step=0)  # as the trainer does at start
     loads, procs, producers, version = Loads(client, keys), [], [], 0
     results: dict[int, list[dict]] = {}
     try:
@@ -373,6 +397,7 @@ def measure(kind: str, *, url: str, workdir: Path, args, clock: Clock) -> dict[i
                     workdir=workdir,
                     jitter=args.sample_latency,
                     clock=clock,
+                    published=published,
                 )
                 if i >= args.warmup:
                     results.setdefault(count, []).append(res)
@@ -412,6 +437,7 @@ def report(all_results: dict[str, dict], args) -> None:
                     p95([r["end_to_all"] for r in runs]),
                     raw["raw"],
                     med["xadd_to_all"] / raw["raw"],
+                    med["bytes"] / 1e6,
                 ]
             )
             parts.append(
@@ -436,7 +462,18 @@ def report(all_results: dict[str, dict], args) -> None:
         "raw: median over all of the model's versions"
     )
     C.print_table(
-        ["model", "producers", "versions", "xadd->all", "p95", "end->all", "p95", "raw", "xadd->all/raw"],
+        [
+            "model",
+            "producers",
+            "versions",
+            "xadd->all",
+            "p95",
+            "end->all",
+            "p95",
+            "raw",
+            "xadd->all/raw",
+            "MB/version",
+        ],
         latency,
     )
     print(
@@ -488,6 +525,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="what-if: paced producers load without checking the sha256 (resolve's "
         "check_sha=False); shows what the check costs",
     )
+    ap.add_argument(
+        "--lora",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="LoRA ranks to measure each model at (0 = full weights)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     ap.add_argument(
         "--producer-child", nargs=4, metavar=("CONFIG", "ID", "LATENCY", "VERIFY"), help=argparse.SUPPRESS
@@ -511,7 +555,11 @@ def main(argv: list[str] | None = None) -> int:
     results, clock = {}, Clock()
     with tempfile.TemporaryDirectory(prefix="streamer-wsync-") as tmp, C.server_url(args) as url:
         for kind in args.models:
-            results[kind] = measure(kind, url=url, workdir=Path(tmp) / kind, args=args, clock=clock)
+            for rank in args.lora:
+                name = f"{kind}+lora{rank}" if rank else kind
+                results[name] = measure(
+                    kind, url=url, workdir=Path(tmp) / name, args=args, clock=clock, lora_rank=rank
+                )
     report(results, args)
     print(f"bench took {time.monotonic() - began:.0f} s", file=sys.stderr)
     return 0

@@ -28,6 +28,7 @@ from consumers import loss as L
 from consumers import losses, precision, schedule
 from consumers.batch import Batch
 from consumers.distributed import DataParallel
+from streamer import lora
 from streamer.config import TrainerSection
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,11 @@ class Learner:
         self.loss_params = losses.params_of(cfg.loss, cfg)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
 
+    @property
+    def publishable(self):
+        """What a version and a checkpoint save: the model, or only its LoRA adapter."""
+        return lora.AdapterView(self.model) if lora.is_peft(self.model) else self.model
+
     def lr_at(self, step: int) -> float:
         """LR of optimizer step ``step`` (0-based; see consumers/schedule.py)."""
         return schedule.lr_at(self.cfg, step)
@@ -93,6 +99,8 @@ class Learner:
         if batch.size == 0:  # a data-parallel rank's share of a small minibatch
             return batch, 0.0
         micro = self.cfg.micro_batch_size
+        training = self.model.training
+        self.model.eval()  # no adapter dropout in the proximal policy
         prox, ref, ent_sum = [], [], 0.0
         width = batch.weights.shape[1]
         for mb in batch.chunks(micro):
@@ -109,6 +117,7 @@ class Learner:
                 ref_logits = self.forward_logits(self.ref_model, mb)
                 ref.append(_pad(L.token_logprobs(ref_logits, mb.targets, self.temperature), width))
                 self.phases["reference_forward_seconds"] += self._clock() - t1
+        self.model.train(training)
         batch = batch.replace(prox_logp=torch.cat(prox), ref_logp=torch.cat(ref) if ref else None)
         return batch, ent_sum
 
@@ -204,8 +213,14 @@ _SUMMED = ("policy_loss", "kl")  # aggregated with the minibatch's shared denomi
 
 
 def _disable_dropout(model) -> None:
-    """RL updates run without dropout: then prox == logp on fresh data (exact on-policy GRPO)."""
-    for m in model.modules():
+    """RL updates run without dropout: then prox == logp on fresh data (exact on-policy GRPO).
+
+    A LoRA adapter's dropout (``model.lora.dropout``) is the exception the user asked for:
+    it stays on in the updates (the proximal pass runs in eval mode, without it).
+    """
+    for name, m in model.named_modules():
+        if "lora_dropout" in name:
+            continue
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):

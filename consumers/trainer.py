@@ -41,7 +41,7 @@ from consumers.learner import Learner
 from consumers.versions import VersionPublisher
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, encode
 from schemas.metric_names import REJECT_REASONS
-from streamer import models
+from streamer import lora, models
 from streamer.admission import Admission
 from streamer.bus import FIELD, Consumer, Tail, connect, retrying, trim_acked
 from streamer.config import RunConfig
@@ -98,7 +98,7 @@ class Trainer:
     def start(self) -> None:
         self._restore()
         self.version = self._next_version()
-        self.versions.publish_now(self.learner.model, version=self.version, step=self.step)
+        self.versions.publish_now(self.learner.publishable, version=self.version, step=self.step)
         log.info("policy version %d at step %d (%s)", self.version, self.step, self.parent or "initial")
         tc = self.tc
         self.admission.publish_limits(max_staleness=tc.max_staleness, groups_per_step=tc.groups_per_step)
@@ -224,7 +224,7 @@ class Trainer:
         self.trained.extend((e, g.group_id) for e, g in zip(ready.entry_ids, ready.groups))
         self.high_water = max([self.high_water, *ready.entry_ids], key=parse_id)
         self.version += 1
-        blocked = self.versions.submit(self.learner.model, version=self.version, step=self.step)
+        blocked = self.versions.submit(self.learner.publishable, version=self.version, step=self.step)
         # Trained entries stay unacknowledged until a checkpoint covers them, and producers
         # wait while bus.max_unacked entries are: checkpoint early rather than deadlock.
         early = len(self.trained) + self.tc.groups_per_step > self.cfg.bus.max_unacked // 2
@@ -277,7 +277,7 @@ class Trainer:
         entry_ids = [e for e, _ in self.trained]
         meta = checkpoint.save(
             self.cfg.checkpoint_dir,
-            model=self.learner.model,
+            model=self.learner.publishable,
             optimizer=self.learner.optimizer,
             step=self.step,
             version=self.version,
@@ -305,6 +305,8 @@ def build_learner(cfg: RunConfig, dp: DataParallel | None = None) -> Learner:
     torch.manual_seed(cfg.run.seed)
     dev = dp.device if dp else None  # under torchrun: this rank's device
     model = models.load_model(cfg.model, seed=cfg.run.seed, dev=dev)
+    if cfg.model.lora.rank > 0:
+        model = lora.apply(model, cfg.model.lora)  # the base frozen: the adapter is trained and published
     ref = models.load_model(cfg.model, seed=cfg.run.seed, dev=dev) if cfg.trainer.kl_coef > 0 else None
     if cfg.producer.top_p < 1:
         log.warning(

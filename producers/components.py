@@ -79,5 +79,6 @@ def build(cfg: RunConfig):
         retries=p.remote_retries,
         concurrency=p.remote_concurrency,
         reload_endpoint=p.reload_endpoint,
+        lora_endpoint=p.lora_endpoint,
     )
     return task, sampler

@@ -3,7 +3,8 @@
 It speaks the subset of vLLM's ``/v1/completions`` the remote sampler uses: token-id
 ``prompt``, ``n``, ``logprobs``, ``return_token_ids`` (answered in ``choices[i].token_ids``)
 and ``return_tokens_as_token_ids`` (``"token_id:{id}"`` strings in
-``choices[i].logprobs.tokens``), plus SGLang's ``/update_weights_from_disk``. What it
+``choices[i].logprobs.tokens``), plus SGLang's ``/update_weights_from_disk`` and vLLM's
+``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (recorded in ``adapters``). What it
 generates comes from a ``backend(body) -> list[Completion]``: a real local sampler, or a
 canned answer after a fixed latency (the test double for a remote inference server).
 
@@ -67,6 +68,7 @@ class FakeCompletionsServer:
         self.requests = 0
         self.in_flight = self.max_in_flight = 0
         self.reloads: list[str] = []
+        self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         self.bodies: list[dict] = []
         self._fail: list[int] = []
         self._lock = threading.Lock()
@@ -170,6 +172,13 @@ def _handler(server: FakeCompletionsServer):
                 return self._send(400, {"object": "error", "message": "bad JSON", "code": 400})
             if self.path == "/v1/completions":
                 return self._send(*server.answer(body))
+            if self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                name = body.get("lora_name", "")
+                if self.path.startswith("/v1/load"):
+                    server.adapters[name] = body.get("lora_path", "")
+                else:
+                    server.adapters.pop(name, None)
+                return self._send_text(200, f"Success: LoRA adapter '{name}' updated.")
             if self.path == server.reload_path:
                 server.reloads.append(body.get("model_path", ""))
                 return self._send(200, {"success": True, "message": "loaded"})
@@ -179,6 +188,14 @@ def _handler(server: FakeCompletionsServer):
             raw = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def _send_text(self, status: int, text: str) -> None:
+            raw = text.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
             self.wfile.write(raw)

@@ -18,7 +18,11 @@ Timeouts per request, bounded retries with exponential backoff and jitter on tra
 errors, 429 and 5xx; other 4xx fail at once. At most ``concurrency`` requests are in
 flight from one sampler. New weights: ``POST {base_url}{reload_endpoint}`` with
 ``{"model_path": directory}`` (SGLang's ``/update_weights_from_disk``); the server must
-see the same filesystem path.
+see the same filesystem path. A LoRA adapter version (streamer/lora.py) is instead loaded
+as a named adapter: ``POST {base_url}{lora_endpoint}`` with ``{"lora_name": "streamer-v…",
+"lora_path": directory}`` (vLLM, started with ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; SGLang's ``/load_lora_adapter``), and later
+requests name that adapter as their ``model``; adapters two versions old are unloaded.
 """
 
 from __future__ import annotations
@@ -50,14 +54,16 @@ class RemoteSampler:
         retries: int = 3,
         concurrency: int = 8,
         reload_endpoint: str = "/update_weights_from_disk",
+        lora_endpoint: str = "/v1/load_lora_adapter",
         backoff: float = 0.5,
         max_backoff: float = 10.0,
     ):
         self.base_url = base_url.rstrip("/")
         self.model, self.stop_ids = model, list(stop_ids)
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
-        self.reload_endpoint = reload_endpoint
         self.timeout = timeout
+        self.reload_endpoint, self.lora_endpoint = reload_endpoint, lora_endpoint
+        self.adapters: list[str] = []  # loaded LoRA adapter names, oldest first
         self._slots = threading.BoundedSemaphore(concurrency)
         self._http = httpx.Client(
             base_url=self.base_url,
@@ -83,6 +89,10 @@ class RemoteSampler:
         return parse_completions(data, n=n, stop_ids=self.stop_ids)
 
     def load_weights(self, directory: Path) -> None:
+        from streamer import lora
+
+        if lora.is_adapter(directory):
+            return self._load_adapter(Path(directory))
         data = self._post(self.reload_endpoint, {"model_path": str(directory)})
         if isinstance(data, dict) and data.get("success") is False:
             raise SamplerError(f"server refused to load {directory}: {data.get('message', data)}")
@@ -91,10 +101,23 @@ class RemoteSampler:
         """Seconds a reload may take at most, retries and backoff included (+ a margin)."""
         return self.timeout * (self.retries + 1) + self.max_backoff * self.retries + 10.0
 
+    def _load_adapter(self, directory: Path) -> None:
+        name = f"streamer-{directory.name}"
+        self._post(self.lora_endpoint, {"lora_name": name, "lora_path": str(directory)}, as_json=False)
+        self.model = name  # requests in flight keep the previous adapter, which stays loaded
+        self.adapters.append(name)
+        unload = self.lora_endpoint.replace("load_lora_adapter", "unload_lora_adapter")
+        while len(self.adapters) > 2 and unload != self.lora_endpoint:
+            old = self.adapters.pop(0)
+            try:
+                self._post(unload, {"lora_name": old}, as_json=False)
+            except SamplerError as e:  # a leftover adapter costs server memory, not correctness
+                log.warning("could not unload LoRA adapter %s: %s", old, e)
+
     def close(self) -> None:
         self._http.close()
 
-    def _post(self, path: str, body: dict):
+    def _post(self, path: str, body: dict, *, as_json: bool = True):
         """POST with bounded retries; the JSON answer, or SamplerError."""
         attempt = 0
         while True:
@@ -106,6 +129,8 @@ class RemoteSampler:
                 except httpx.TransportError as e:
                     error, retryable = f"{type(e).__name__}: {e}", True
             if error is None:
+                if not as_json:  # vLLM answers its LoRA endpoints in plain text
+                    return resp.text
                 try:
                     return resp.json()
                 except ValueError:

@@ -163,8 +163,18 @@ class LocalSampler:
         return ids.to(self.device), mask.to(self.device)
 
     def load_weights(self, directory: Path) -> None:
-        """Load a version in place; checked to fit first, so a bad version changes nothing."""
-        from streamer import weights
+        """Load a version in place; checked to fit first, so a bad version changes nothing.
+
+        A LoRA adapter version is applied on top of the base (the model is wrapped once).
+        """
+        from streamer import lora, weights
+
+        if lora.is_adapter(directory):
+            try:
+                self.model = lora.load_adapter(self.model, directory).eval()
+            except (lora.AdapterError, ValueError, KeyError, OSError) as e:
+                raise SamplerError(f"cannot apply the LoRA adapter in {directory}: {e}") from e
+            return
 
         check_fits(self.model, directory)
         weights.load_into(self.model, directory)

@@ -40,6 +40,19 @@ class RunSection(_Section):
             raise ValueError(f"`name` is not usable: {e}") from None
 
 
+class LoraSection(_Section):
+    rank: int = 0  # LoRA rank r; 0 = train all weights (no adapter)
+    alpha: float = 32.0  # LoRA scale numerator: the update is (alpha / rank) * B A
+    target_modules: list[str] = []  # module names to adapt; empty = every linear layer but the head
+    dropout: float = 0.0  # dropout on the adapter's input during updates (proximal pass: none)
+
+    def __post_init__(self) -> None:
+        self._positive("rank", "dropout", allow_zero=True)
+        self._positive("alpha")
+        if self.dropout >= 1:
+            raise ValueError(f"`dropout` must be < 1, got {self.dropout}")
+
+
 class ModelSection(_Section):
     name_or_path: str = "demo"  # HF model id or local path; "demo" = the built-in tiny model
     tokenizer: str = ""  # tokenizer id or path; empty = same as name_or_path
@@ -47,6 +60,7 @@ class ModelSection(_Section):
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     trust_remote_code: bool = False  # allow model code from the hub (off unless asked)
     chat_template: bool = True  # render with the tokenizer's chat template; false = plain prompt
+    lora: LoraSection = msgspec.field(default_factory=LoraSection)  # [model.lora]: train an adapter
 
 
 class BusSection(_Section):
@@ -82,6 +96,7 @@ class ProducerSection(_Section):
     remote_retries: int = 3  # bounded retries with backoff
     remote_concurrency: int = 8  # in-flight requests per producer
     reload_endpoint: str = "/update_weights_from_disk"  # POSTed on new weights (SGLang)
+    lora_endpoint: str = "/v1/load_lora_adapter"  # POSTed on a new LoRA adapter version (vLLM, SGLang)
     remote_logprobs: Literal["raw", "processed"] = "raw"  # what the server reports: see below
     reward: str = ""  # "module:function" (row, text, sample) -> float; "" = demo reward / exact_match
     lease_seconds: float = 60.0  # row lease; renewed while working, expired rows are re-issued

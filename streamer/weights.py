@@ -122,8 +122,20 @@ def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True) -> Path:
 
 
 def load_into(model, directory: Path) -> None:
-    """Load a version directory's safetensors into ``model`` in place (strict, tied-aware)."""
+    """Load a version directory's safetensors into ``model`` in place (strict, tied-aware).
+
+    A LoRA adapter directory (streamer/lora.py) is loaded into the model's adapter.
+    """
     from safetensors.torch import load_file
+
+    from streamer import lora
+
+    if lora.is_adapter(directory):
+        try:
+            lora.load_adapter_state(model, directory)
+        except lora.AdapterError as e:
+            raise WeightsError(str(e)) from None
+        return
 
     state = {}
     for f in sorted(Path(directory).glob("*.safetensors")):

@@ -1,0 +1,157 @@
+"""Learning evidence: samples the demo needs to reach 0.8 eval accuracy, per loss and staleness.
+
+    python bench/learning.py                                   # every loss x max_staleness 0, 2 x 3 seeds
+    python bench/learning.py --losses grpo --seeds 0           # a reduced run (one loss, one seed)
+    python bench/learning.py --losses grpo dapo --max-steps 300 --eval-every 5
+
+Each cell is `streamer up --fresh` of the built-in demo (its trainer, producers, evaluator
+and exporter as separate processes) with ``trainer.loss`` and ``trainer.max_staleness`` set,
+in a temporary data directory. The figure is **samples to 0.8**: completions the producers
+sampled with policy versions older than the first version whose greedy eval accuracy is
+>= 0.8 (``groups_by_version`` x ``group_size`` of the curve `up` records), the median over
+seeds. A run that never gets there within ``--max-steps`` counts as not reached (shown as
+``>`` the samples it drew). The goal: max_staleness 2 (asynchronous) needs no more than
+1.1x the samples of max_staleness 0 (synchronous), per loss. Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from streamer import demo  # noqa: E402
+from streamer.config import LOSS_KEYS, replace  # noqa: E402
+
+TARGET = 0.8
+GOAL = 1.1
+
+
+def config_toml(*, loss: str, staleness: int, seed: int, steps: int, eval_every: int) -> bytes:
+    cfg = demo.config()
+    cfg = replace(
+        cfg,
+        run={"seed": seed},
+        trainer={"loss": loss, "max_staleness": staleness, "steps": steps},
+        eval={"eval_every": eval_every},
+    )
+    return to_toml(msgspec.to_builtins(cfg)).encode()
+
+
+def to_toml(tree: dict, prefix: str = "") -> str:
+    """A config tree as TOML (msgspec's TOML encoder needs tomli_w, not a dependency)."""
+    flat = {k: v for k, v in tree.items() if not isinstance(v, dict)}
+    out = [f"[{prefix}]"] if prefix and flat else []
+    out += [f"{k} = {json.dumps(v)}" for k, v in flat.items()]  # JSON scalars/lists are TOML too
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.append(to_toml(v, f"{prefix}.{k}" if prefix else k))
+    return "\n".join(out) + "\n"
+
+
+def run_cell(*, loss: str, staleness: int, seed: int, args) -> dict:
+    """One `streamer up` run; its curve plus the samples it needed (None: never reached)."""
+    with tempfile.TemporaryDirectory(prefix="streamer-learning-") as d:
+        path = Path(d) / "run.toml"
+        toml = config_toml(
+            loss=loss, staleness=staleness, seed=seed, steps=args.max_steps, eval_every=args.eval_every
+        )
+        path.write_bytes(toml)
+        argv = [sys.executable, "-m", "streamer", "up", "--config", str(path), "--fresh", "--no-progress"]
+        argv += ["--data-dir", d, "--producers", str(args.producers)]
+        began = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+        if proc.returncode != 0:
+            sys.exit(f"streamer up exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        curve = json.loads((Path(d) / "demo" / "curve.json").read_text())
+    group_size = demo.config().producer.group_size
+    return {**samples_to_target(curve, group_size), "seconds": time.monotonic() - began}
+
+
+def samples_to_target(curve: dict, group_size: int) -> dict:
+    """Samples drawn with versions before the first with eval accuracy >= TARGET."""
+    groups = {int(v): n for v, n in curve["groups_by_version"].items() if int(v) >= 0}
+    evals = {int(v): a for v, a in curve["eval_accuracy_by_version"].items()}
+    reached = next((v for v in sorted(evals) if evals[v] >= TARGET), None)
+    limit = reached if reached is not None else max([*groups, 0]) + 1
+    samples = sum(n for v, n in groups.items() if v < limit) * group_size
+    return {"reached": reached is not None, "version": reached, "samples": samples}
+
+
+def cell_text(runs: list[dict]) -> tuple[str, float | None]:
+    if all(r["reached"] for r in runs):
+        med = statistics.median(r["samples"] for r in runs)
+        return f"{med:,.0f}", med
+    got = [f"{r['samples']:,}" if r["reached"] else f">{r['samples']:,}" for r in runs]
+    return "not reached (" + ", ".join(got) + ")", None
+
+
+def report(results: dict, args) -> None:
+    print(
+        f"samples to {TARGET} eval accuracy (median over seeds {args.seeds}); demo, "
+        f"{args.producers} producer(s), at most {args.max_steps} trainer steps, eval every {args.eval_every}"
+    )
+    print()
+    print("| loss | max_staleness 0 | max_staleness 2 | async / sync | per seed (0; 2) | minutes |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    ratios = {}
+    for loss in args.losses:
+        sync_text, sync = cell_text(results[(loss, 0)])
+        async_text, asyn = cell_text(results[(loss, 2)])
+        ratio = f"{asyn / sync:.2f}x" if sync and asyn else "n/a"
+        if sync and asyn:
+            ratios[loss] = asyn / sync
+        seeds = "; ".join(", ".join(f"{r['samples']:,}" for r in results[(loss, s)]) for s in (0, 2))
+        minutes = sum(r["seconds"] for s in (0, 2) for r in results[(loss, s)]) / 60
+        print(f"| `{loss}` | {sync_text} | {async_text} | {ratio} | {seeds} | {minutes:.1f} |")
+    print()
+    goals = "  ".join(f"{k}={v:.2f}x ({'met' if v <= GOAL else 'NOT met'})" for k, v in ratios.items())
+    print(f"ratios: {goals or 'none (a cell did not reach the target)'}  goal: async <= {GOAL}x sync")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--losses", nargs="+", choices=sorted(LOSS_KEYS), default=list(LOSS_KEYS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--max-steps", type=int, default=demo.STEPS, help="trainer steps per run at most")
+    ap.add_argument("--eval-every", type=int, default=5, help="evaluate every k-th version")
+    ap.add_argument("--producers", type=int, default=2, help="producer processes per run")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
+    ap.add_argument("--quick", action="store_true", help="one loss, one seed, 20 steps (smoke)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.losses, args.seeds, args.max_steps = ["grpo"], [0], 20
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = {}
+    for loss in args.losses:
+        for staleness in (0, 2):
+            for seed in args.seeds:
+                r = run_cell(loss=loss, staleness=staleness, seed=seed, args=args)
+                results.setdefault((loss, staleness), []).append(r)
+                print(
+                    f"  {loss} max_staleness={staleness} seed={seed}: "
+                    f"{'reached at v' + str(r['version']) if r['reached'] else 'not reached'}, "
+                    f"{r['samples']:,} samples, {r['seconds']:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
