@@ -57,7 +57,11 @@ class WeightFollower:
                 self.sampler.load_weights(path)
                 version = sync.version
             else:  # the version the server confirmed, which may be newer than sync's
+                reloads = self.shared.reloads
                 version = self.shared.ensure(sync.version, lambda: self.sampler.load_weights(path))
+                adopt = getattr(self.sampler, "adopt", None)
+                if self.shared.reloads == reloads and adopt is not None:  # another producer loaded it
+                    adopt(weights.version_dir(self.weights_dir, version))
         except (StreamerError, OSError, RuntimeError, ValueError, KeyError) as e:
             self.failed.add(sync.version)
             self.errors += 1

@@ -97,6 +97,17 @@ class RemoteSampler:
         if isinstance(data, dict) and data.get("success") is False:
             raise SamplerError(f"server refused to load {directory}: {data.get('message', data)}")
 
+    def adopt(self, directory: Path) -> None:
+        """Another producer loaded ``directory`` into this shared server: sample with it too.
+
+        Full weights replace the server's model and need nothing here; a LoRA adapter is
+        named in every request, so the name must follow.
+        """
+        from streamer import lora
+
+        if lora.is_adapter(directory):
+            self.model = f"streamer-{Path(directory).name}"
+
     def reload_deadline(self) -> float:
         """Seconds a reload may take at most, retries and backoff included (+ a margin)."""
         return self.timeout * (self.retries + 1) + self.max_backoff * self.retries + 10.0

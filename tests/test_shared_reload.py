@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_producer import _cfg, _producer, _wait_for
 
-from producers.fake_server import FakeCompletionsServer
+from producers.fake_server import FakeCompletionsServer, canned
 from producers.reload import SharedReload
 from producers.samplers import Completion
 from schemas import TrajectoryGroup, WeightSync, decode, encode
@@ -99,3 +99,29 @@ def _loop(p, stop: threading.Event, errors: list) -> None:
     except Exception as e:  # reported by the test, not lost with the thread
         errors.append(f"{p.id}: {type(e).__name__}: {e}")
         stop.set()
+
+
+def test_producers_that_did_not_reload_a_lora_adapter_still_sample_with_it(client, keys, tmp_path):
+    """A LoRA adapter is named in every request: the producers that waited for another
+    one's reload must switch to the adapter's name too (one load per version, all use it)."""
+    from test_lora import _learner
+
+    from producers.follow import WeightFollower
+    from producers.remote_sampler import RemoteSampler
+
+    learner = _learner()
+    with FakeCompletionsServer(canned([5, demo.tokenizer().eos_token_id])) as server:
+        remotes = [RemoteSampler(base_url=server.url, model="base", stop_ids=[0]) for _ in range(2)]
+        followers = [WeightFollower(client, keys, weights_dir=tmp_path, sampler=r) for r in remotes]
+        try:
+            for version in (1, 2):
+                uri, sha = weights.write_version(learner.publishable, tmp_path, version)
+                sync = WeightSync(version=version, step=version, uri=uri, sha256=sha)
+                client.xadd(keys.policy, {b"d": encode(sync)})
+                assert all(f.update() for f in followers)
+                assert {r.model for r in remotes} == {f"streamer-v{version:08d}"}
+        finally:
+            for r in remotes:
+                r.close()
+    assert sorted(server.adapters) == ["streamer-v00000001", "streamer-v00000002"]  # loaded once each
+    assert sum(f.shared.reloads for f in followers) == 2
