@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
-from streamer.config import RunConfig, load_config, replace
+from streamer.config import URL_ENV, RunConfig, load_config, replace
 from streamer.errors import ConfigError, StreamerError
 
 log = logging.getLogger("streamer")
@@ -35,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     def role(name: str, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help)
         sp.add_argument("--config", help="TOML run config (default: the built-in demo)")
-        sp.add_argument("--redis-url", help="override run.redis_url")
+        sp.add_argument(
+            "--redis-url", help=f"override run.redis_url (${URL_ENV} too; keeps a password off argv)"
+        )
         sp.add_argument("--run", help="override run.name")
         sp.add_argument("--data-dir", help="override run.data_dir")
         return sp
@@ -66,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     cfg = load_config(getattr(args, "config", None))
+    url = args.redis_url if args.redis_url is not None else (os.environ.get(URL_ENV) or None)
     run = {
         k: v
-        for k, v in (("redis_url", args.redis_url), ("name", args.run), ("data_dir", args.data_dir))
+        for k, v in (("redis_url", url), ("name", args.run), ("data_dir", args.data_dir))
         if v is not None
     }
     try:

@@ -17,6 +17,10 @@ import msgspec
 from streamer.errors import ConfigError
 from streamer.keys import Keys
 
+# the server URL from the environment, between --redis-url and the config file: how `up`
+# hands it to its children, so a password never shows in a process's command line
+URL_ENV = "STREAMER_REDIS_URL"
+
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     def _positive(self, *names: str, allow_zero: bool = False) -> None:
@@ -190,7 +194,9 @@ class RunConfig(_Section):
 
     def require_redis_url(self) -> str:
         if not self.run.redis_url:
-            raise ConfigError("`run.redis_url` is empty: set it, pass --redis-url, or use `streamer up`")
+            raise ConfigError(
+                f"`run.redis_url` is empty: set it, pass --redis-url or ${URL_ENV}, or use `streamer up`"
+            )
         return self.run.redis_url
 
 

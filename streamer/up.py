@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamer.bus import connect, redact
-from streamer.config import RunConfig, replace
+from streamer.config import URL_ENV, RunConfig, replace
 from streamer.keys import Keys
 from streamer.progress import Progress
 from streamer.server import EmbeddedServer, free_port
@@ -110,7 +110,9 @@ def _role_argv(cmd: str, cfg: RunConfig, args, *extra: str) -> list[str]:
     argv = [sys.executable, "-m", "streamer", "--log-level", args.log_level, cmd]
     if args.config:
         argv += ["--config", args.config]
-    argv += ["--redis-url", cfg.run.redis_url, "--run", cfg.run.name, "--data-dir", cfg.run.data_dir]
+    # the server URL (a password, perhaps) travels in the environment (URL_ENV), never in
+    # argv: /proc/PID/cmdline is readable by every local user, /proc/PID/environ only by us
+    argv += ["--run", cfg.run.name, "--data-dir", cfg.run.data_dir]
     return argv + list(extra)
 
 
@@ -152,7 +154,7 @@ def main(cfg: RunConfig, args) -> int:
     connect(cfg.run.redis_url)  # one clear line now if the server is unusable
     port = _metrics_port(cfg)
     steps = cfg.trainer.steps
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", URL_ENV: cfg.run.redis_url}
     # N busy processes share this machine's cores: oversubscribed torch threads slow all.
     compute = args.producers + 2  # producers, trainer, evaluator
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // compute)))
