@@ -166,6 +166,12 @@ class MetricsSection(_Section):
             raise ValueError(f"`port` must be in 0..65535, got {self.port}")
 
 
+class WeightsSection(_Section):
+    """How producers and the evaluator check a policy version before loading it."""
+
+    verify: Literal["manifest", "full"] = "manifest"  # manifest = trainer's digests (same fs); full = re-hash
+
+
 class RunConfig(_Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     model: ModelSection = msgspec.field(default_factory=ModelSection)
@@ -174,6 +180,7 @@ class RunConfig(_Section):
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+    weights: WeightsSection = msgspec.field(default_factory=WeightsSection)
 
     @property
     def run_dir(self) -> Path:
