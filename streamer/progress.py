@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 
+from consumers.metrics_state import SeenIds
 from schemas import MetricsEvent
 from streamer.bus import Tail, connect, unacked
 from streamer.config import RunConfig
@@ -36,6 +37,7 @@ class Progress:
         self.curve: dict[int, list[float]] = {}  # policy version -> rollout rewards
         self.eval_curve: dict[int, float] = {}
         self.groups = 0
+        self.seen = SeenIds()
         self._rate: deque[tuple[float, int]] = deque(maxlen=30)
         self._last_print = 0.0
         self.started = time.monotonic() if started is None else started  # `up` began
@@ -46,6 +48,8 @@ class Progress:
 
     def update(self) -> None:
         for e in self.tail.poll(count=10_000):
+            if not self.seen.add(e.id):
+                continue  # a copy written by a retry
             if e.axis == "train":
                 self.train_step = max(self.train_step, e.step)
             elif e.axis == "rollout":
