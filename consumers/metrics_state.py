@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
+from consumers.history import History
 from schemas import MetricsEvent
 from schemas.metric_names import AXES
 from streamer.status import Snapshot
@@ -131,6 +132,7 @@ class State:
         self._producers: dict[str, str] = {}  # source -> label value
         self._warned: set[tuple[str, str]] = set()
         self.seen = SeenIds()
+        self.history = History()  # the run's curves (progress view, `streamer plot`)
         self.duplicates = 0  # copies of an event already applied (retried writes), skipped
 
     def apply(self, entry_id: str, event: MetricsEvent) -> bool:
@@ -153,6 +155,7 @@ class State:
                 self.last_train_at = event.at
             for name, value in event.values.items():
                 self._apply_value(axis, name, value, event.source)
+            self.history.apply(event)
             return True
 
     def _apply_value(self, axis: str, name: str, value: float, source: str) -> None:

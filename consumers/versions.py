@@ -34,16 +34,20 @@ log = logging.getLogger(__name__)
 # XADD the WeightSync and SET the version key, unless that version (or a newer one) is
 # announced already: version numbers are never reused, so a second announcement of the same
 # version can only be a retry whose first reply was lost (redis-py re-sends a command after
-# a timeout; so does `retrying`). 1 = added, 0 = already there.
+# a timeout; so does `retrying`). 1 = added, 0 = already there. The stream keeps about the
+# last POLICY_KEEP versions: readers want the newest (a late one reads only that).
 ANNOUNCE = """
 local current = tonumber(redis.call('GET', KEYS[2]) or '-1')
 if current >= tonumber(ARGV[3]) and redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
-redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', ARGV[1], ARGV[2])
 redis.call('SET', KEYS[2], ARGV[3])
 return 1
 """
+
+
+POLICY_KEEP = 1000
 
 
 class Snapshot:
@@ -129,7 +133,7 @@ class VersionPublisher:
         payload = encode(sync)
         added = retrying(
             lambda: self._announce(
-                keys=[self.keys.policy, self.keys.version], args=[FIELD, payload, version]
+                keys=[self.keys.policy, self.keys.version], args=[FIELD, payload, version, POLICY_KEEP]
             ),
             what=f"publishing version {version}",
         )

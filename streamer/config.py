@@ -159,9 +159,11 @@ class MetricsSection(_Section):
     port: int = 9464  # exporter port (/metrics, /healthz)
     health_interval: float = 5.0  # seconds between stream-health samples
     stall_seconds: float = 300.0  # `status` exits 1: no new version this long while groups wait
+    snapshot_interval: float = 30.0  # exporter state snapshot, then metrics stream trimmed; 0 = never
 
     def __post_init__(self) -> None:
         self._positive("health_interval", "stall_seconds")
+        self._positive("snapshot_interval", allow_zero=True)
         if not 0 <= self.port < 65536:
             raise ValueError(f"`port` must be in 0..65535, got {self.port}")
 
