@@ -24,6 +24,9 @@ ROLES = {
     "eval": "consumers.evaluator:main",
     "metrics": "consumers.exporter:main",
     "status": "streamer.status:main",
+    "archive": "consumers.archive:main",
+    "samples": "streamer.rollouts:samples_main",
+    "dead": "streamer.rollouts:dead_main",
     "smoke": "streamer.smoke:main",
 }
 
@@ -60,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--host", help="override metrics.host")
     st = role("status", "streams, lag, versions, producers, dead letters of a run")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    role("archive", "the rollout archiver (groups as text under the run's data dir)")
+    sa = role("samples", "recent rollouts of a run, as text, from its archive")
+    sa.add_argument("--last", type=int, default=5, help="groups to print (default 5)")
+    sa.add_argument("--min-reward", type=float, help="only completions with reward >= this")
+    sa.add_argument("--follow", action="store_true", help="keep printing new groups")
+    de = role("dead", "dead letters of a run, with their reasons")
+    de.add_argument("--last", type=int, default=20, help="newest dead letters to list (default 20)")
+    de.add_argument("--replay", metavar="ID", help="re-publish this dead letter to its stream")
     role("smoke", "a round trip of every event type through an embedded server")
     cd = sub.add_parser("config-doc", help="print the config reference (Markdown)")
     cd.add_argument("--write", metavar="FILE", help="update the reference between FILE's markers")

@@ -174,6 +174,22 @@ class WeightsSection(_Section):
     verify: Literal["manifest", "full"] = "manifest"  # manifest = trainer's digests (same fs); full = re-hash
 
 
+class ArchiveSection(_Section):
+    """The rollout archive (`streamer archive`, started by `up`): groups as text on disk."""
+
+    enabled: bool = True  # `up` starts the archiver
+    max_bytes: int = 1 << 30  # compressed archive kept under {run_dir}/archive; oldest files go
+    file_bytes: int = 16 << 20  # a new file past this many compressed bytes
+    max_lag: int = 10_000  # trajectory entries it may fall behind before trimming passes it
+
+    def __post_init__(self) -> None:
+        self._positive("max_bytes", "file_bytes", "max_lag")
+        if self.file_bytes > self.max_bytes:
+            raise ValueError(
+                f"`file_bytes` ({self.file_bytes}) must not exceed `max_bytes` ({self.max_bytes})"
+            )
+
+
 class RunConfig(_Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     model: ModelSection = msgspec.field(default_factory=ModelSection)
@@ -183,6 +199,7 @@ class RunConfig(_Section):
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
     weights: WeightsSection = msgspec.field(default_factory=WeightsSection)
+    archive: ArchiveSection = msgspec.field(default_factory=ArchiveSection)
 
     @property
     def run_dir(self) -> Path:

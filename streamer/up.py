@@ -83,7 +83,7 @@ class Stack:
     children: dict[str, Child] = field(default_factory=dict)
     server: EmbeddedServer | None = None
 
-    STOP_ORDER = ("produce", "eval", "train", "metrics")
+    STOP_ORDER = ("produce", "eval", "train", "archive", "metrics")
 
     def stop_children(self) -> None:
         for kind in self.STOP_ORDER:
@@ -164,6 +164,8 @@ def main(cfg: RunConfig, args) -> int:
         ("train", _role_argv("train", cfg, args, *(["--steps", str(args.steps)] if args.steps else [])))
     )
     specs.append(("eval", _role_argv("eval", cfg, args)))
+    if cfg.archive.enabled:
+        specs.append(("archive", _role_argv("archive", cfg, args)))
     specs += [
         (f"produce-{i}", _role_argv("produce", cfg, args, "--id", f"p{i}")) for i in range(args.producers)
     ]
