@@ -27,6 +27,7 @@ ROLES = {
     "archive": "consumers.archive:main",
     "samples": "streamer.rollouts:samples_main",
     "dead": "streamer.rollouts:dead_main",
+    "plot": "streamer.plot:main",
     "smoke": "streamer.smoke:main",
 }
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     de = role("dead", "dead letters of a run, with their reasons")
     de.add_argument("--last", type=int, default=20, help="newest dead letters to list (default 20)")
     de.add_argument("--replay", metavar="ID", help="re-publish this dead letter to its stream")
+    pl = role("plot", "a PNG of the run: reward/accuracy per version, loss/staleness per step")
+    pl.add_argument("--out", help="PNG path (default {data_dir}/{run}/run.png)")
     role("smoke", "a round trip of every event type through an embedded server")
     cd = sub.add_parser("config-doc", help="print the config reference (Markdown)")
     cd.add_argument("--write", metavar="FILE", help="update the reference between FILE's markers")

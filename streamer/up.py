@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamer import plot
 from streamer.bus import connect, redact
 from streamer.config import URL_ENV, RunConfig, replace
 from streamer.keys import Keys
@@ -199,6 +200,9 @@ def main(cfg: RunConfig, args) -> int:
             elapsed = time.monotonic() - started
             summary = progress.summary(elapsed, cfg.weights_dir)
             progress.record(cfg.run_dir / "curve.json", elapsed)
+            title = f"run {cfg.run.name}: {progress.train_step} steps, {progress.groups} groups"
+            if picture := plot.save_quietly(progress.history, cfg.run_dir / "run.png", title=title):
+                summary += f"\n  picture            {picture}"
         finally:
             stack.stop_server()
             for s, h in old.items():
