@@ -9,7 +9,7 @@ It folds the run's ``metrics`` stream into series on three step axes kept apart
 Event-sourced state. Everything served from events is a pure fold of the metrics
 stream (:class:`consumers.metrics_state.State`). Every ``metrics.snapshot_interval``
 seconds the exporter saves that state to Redis and trims the stream behind it
-(:mod:`consumers.snapshot`), so the stream stays bounded however long the run. On start
+(:mod:`consumers.saved_state`), so the stream stays bounded however long the run. On start
 it loads the snapshot, replays the stream after it with XRANGE, then joins its consumer
 group (``metrics``) for new entries; entries at or below the replayed id are acknowledged
 without being applied again. A restart therefore continues the same counter totals
@@ -42,7 +42,7 @@ import redis
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from consumers import snapshot as state_snapshot
+from consumers import saved_state
 from consumers.metrics_state import SERIES, Series, State, gauge
 from schemas import DecodeError, MetricsEvent, decode
 from streamer.bus import FIELD, TRANSIENT, Consumer, connect
@@ -99,9 +99,9 @@ class Exporter:
     def bootstrap(self) -> int:
         """Rebuild the state from the snapshot and the stream after it; join the group."""
         state, after, applied, bad = State(), "-", 0, 0
-        snap = state_snapshot.load(self.client, self.keys.metrics_snapshot)
+        snap = saved_state.load(self.client, self.keys.metrics_snapshot)
         if snap is not None:
-            state, after = state_snapshot.restore(snap), f"({snap.last_id}"
+            state, after = saved_state.restore(snap), f"({snap.last_id}"
             self._trim_to = snap.last_id
             log.info("restored the metrics state of %s (%d events)", snap.last_id, sum(snap.events.values()))
         while rows := self.client.xrange(self.keys.metrics, min=after, count=REPLAY_CHUNK):
@@ -134,7 +134,7 @@ class Exporter:
 
     def save_snapshot(self, *, trim: bool = True) -> str:
         """Save the state; trim the stream up to the previous snapshot (one interval behind)."""
-        last = state_snapshot.save(self.client, self.keys.metrics_snapshot, self.state)
+        last = saved_state.save(self.client, self.keys.metrics_snapshot, self.state)
         if trim and self._trim_to is not None:
             ms, _, seq = self._trim_to.partition("-")  # MINID keeps its own id: cut just past it
             cut = f"{ms}-{int(seq) + 1}"

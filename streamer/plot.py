@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from consumers import snapshot as state_snapshot
+from consumers import saved_state
 from consumers.history import History
 from consumers.metrics_state import SeenIds
 from schemas import DecodeError, MetricsEvent, decode
@@ -33,7 +33,7 @@ CHUNK = 1000
 
 def load_history(client, keys: Keys) -> History | None:
     """The exporter's snapshot plus the stream after it; None when the run has neither."""
-    snap = state_snapshot.load(client, keys.metrics_snapshot)
+    snap = saved_state.load(client, keys.metrics_snapshot)
     history = snap.history if snap else History()
     seen = SeenIds(ids=snap.seen if snap else ())
     after, found = (f"({snap.last_id}" if snap else "-"), snap is not None

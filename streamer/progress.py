@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 
-from consumers import snapshot as state_snapshot
+from consumers import saved_state
 from consumers.history import WINDOW, History
 from consumers.metrics_state import SeenIds
 from schemas import MetricsEvent
@@ -33,7 +33,7 @@ class Progress:
         self.live = live and sys.stdout.isatty()
         # a resumed run: the exporter's snapshot, then the metrics stream after it (it is
         # trimmed behind the snapshots)
-        snap = state_snapshot.load(self.client, self.keys.metrics_snapshot)
+        snap = saved_state.load(self.client, self.keys.metrics_snapshot)
         self.history = snap.history if snap else History()
         self.seen = SeenIds(ids=snap.seen if snap else ())
         self.tail = Tail(

@@ -86,7 +86,7 @@ def test_an_undecodable_snapshot_is_ignored_and_the_stream_replayed(client, keys
     Publisher(client, keys, cfg.bus).publish_many(keys.metrics, _events(1, 5))
     client.set(keys.metrics_snapshot, b"\x93not a snapshot")
     ex = Exporter(cfg)
-    with caplog.at_level(logging.ERROR, logger="consumers.snapshot"):
+    with caplog.at_level(logging.ERROR, logger="consumers.saved_state"):
         ex.bootstrap()
     assert "does not decode" in caplog.text and sum(ex.state.events.values()) == 10
     ex.close()

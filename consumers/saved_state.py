@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 
 
-class Snapshot(msgspec.Struct, kw_only=True):
+class SavedState(msgspec.Struct, kw_only=True):
     format: int = FORMAT
     last_id: str  # the last metrics entry folded in ("ms-seq")
     at: float
@@ -46,13 +46,13 @@ class Snapshot(msgspec.Struct, kw_only=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Snapshot)
+_decoder = msgspec.msgpack.Decoder(SavedState)
 
 
-def capture(state: State) -> Snapshot:
-    """The state as a Snapshot; the caller holds ``state.lock`` until it is encoded."""
+def capture(state: State) -> SavedState:
+    """The state as a SavedState; the caller holds ``state.lock`` until it is encoded."""
     ms, seq = state.last_id
-    return Snapshot(
+    return SavedState(
         last_id=f"{ms}-{seq}",
         at=time.time(),
         steps=dict(state.steps),
@@ -75,7 +75,7 @@ def capture(state: State) -> Snapshot:
     )
 
 
-def restore(snap: Snapshot) -> State:
+def restore(snap: SavedState) -> State:
     state = State()
     ms, _, seq = snap.last_id.partition("-")
     state.last_id = (int(ms), int(seq or 0))
@@ -103,7 +103,7 @@ def save(client: redis.Redis, key: str, state: State) -> str:
     return snap.last_id
 
 
-def load(client: redis.Redis, key: str) -> Snapshot | None:
+def load(client: redis.Redis, key: str) -> SavedState | None:
     raw = client.get(key)
     if raw is None:
         return None
