@@ -19,7 +19,8 @@ after every producer has loaded the last. Per version:
 
     publish   step end (snapshot taken) -> WeightSync.at (files written, fsynced, hashed)
     notice    WeightSync.at -> the producer starts loading (finishes its current group)
-    load      sha256 check + fit check + load into the model (weight_load_seconds)
+    load      manifest check (or sha256 with --verify full) + fit check + load into the model
+              (weight_load_seconds)
     raw       safetensors save_file of the same tensors + load_file + load_state_dict into
               the model, in this process, after each version (median over all of a model's)
 
@@ -28,6 +29,7 @@ The goal (issue 8): publish-to-every-producer (WeightSync.at -> last producer lo
 
     python bench/weight_sync.py                        # demo + ~100M model, 1 and 4 producers
     python bench/weight_sync.py --quick                # smoke run (demo only)
+    python bench/weight_sync.py --models big --verify full   # producers re-hash every byte
     python bench/weight_sync.py --models big --versions 10 --producers 1 4 8
     python bench/weight_sync.py --models big --producers 1 --lora 0 16   # LoRA rank 16 vs full
 
@@ -128,15 +130,16 @@ class PacedSampler:
         self.inner.close()
 
 
-def producer_child(config: str, producer_id: str, latency: float, *, verify: bool) -> int:
+def producer_child(config: str, producer_id: str, latency: float, *, verify: str) -> int:
     """A producer process: the real Producer loop with a PacedSampler around its model
-    (``verify=False``: the what-if of loading without the sha256 check)."""
+    (``verify="none"``: the what-if of loading without any sha256 check; "manifest" and
+    "full" are the config's ``weights.verify``, written into the config)."""
     from producers.components import build as build_parts
     from producers.producer import Producer
     from streamer.config import load_config
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    if not verify:
+    if verify == "none":
         weights.resolve = functools.partial(weights.resolve, check_sha=False)
     cfg = load_config(config)
     client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name=producer_id)
@@ -152,9 +155,12 @@ def producer_child(config: str, producer_id: str, latency: float, *, verify: boo
         client.close()
 
 
-def write_config(path: Path, *, run: str, url: str, model: str, lora_rank: int = 0) -> Path:
+def write_config(
+    path: Path, *, run: str, url: str, model: str, lora_rank: int = 0, verify: str = "manifest"
+) -> Path:
     adapter = f"[model.lora]\nrank = {lora_rank}\nalpha = {2 * lora_rank}\n" if lora_rank else ""
     path.write_text(
+        f'[weights]\nverify = "{"full" if verify == "full" else "manifest"}"\n'
         f'[run]\nname = "{run}"\nredis_url = "{url}"\ndata_dir = "{path.parent}"\n'
         f'[model]\nname_or_path = "{model}"\n{adapter}[bus]\nmax_unacked = {WIDE_OPEN}\n'
         "[producer]\ngroup_size = 2\nmin_group_size = 1\nmax_new_tokens = 1\n"
@@ -184,7 +190,7 @@ def spawn(config: Path, producer_id: str, args) -> subprocess.Popen:
             str(config),
             producer_id,
             str(args.sample_latency),
-            str(int(args.verify)),
+            args.verify,
         ]
     with open(config.parent / f"{producer_id}.log", "ab") as log:
         return subprocess.Popen([sys.executable, *cmd], cwd=config.parent, env=env, stdout=log, stderr=log)
@@ -255,7 +261,7 @@ class Clock:
 
     def __init__(self):
         self.seconds = {"snapshot": 0.0, "save": 0.0, "sha256": 0.0, "fsync": 0.0}
-        self._wrap(versions.Snapshot, "save_pretrained", "save")
+        self._wrap(weights, "save", "save")  # serialise + write, hashing as it writes
         self._wrap(versions, "Snapshot", "snapshot")
         self._wrap(weights, "digest", "sha256")
         self._wrap(weights, "fsync", "fsync")
@@ -366,7 +372,12 @@ def measure(
     keys = C.fresh_keys("wsync")
     client = C.bench_client(url)
     config = write_config(
-        workdir / f"{keys.run}.toml", run=keys.run, url=url, model=source, lora_rank=lora_rank
+        workdir / f"{keys.run}.toml",
+        run=keys.run,
+        url=url,
+        model=source,
+        lora_rank=lora_rank,
+        verify=args.verify,
     )
     Admission(client, keys, max_staleness=0, groups_per_step=1).publish_limits(
         max_staleness=0, groups_per_step=WIDE_OPEN
@@ -456,7 +467,11 @@ def report(all_results: dict[str, dict], args) -> None:
                 goals[ratio] = f"goal <= {GOAL:g}: {'met' if ratios[ratio] <= GOAL else 'NOT met'}"
     mode = f"sampling paced at {args.sample_latency * 1e3:.0f} ms/group"
     mode = "CPU generation" if args.real_sampling else mode
-    verify = "" if args.verify else ", producers NOT checking sha256 (what-if)"
+    verify = {
+        "manifest": ", producers verify by the manifest",
+        "full": ", producers re-hash every byte (verify=full)",
+        "none": ", producers NOT checking sha256 (what-if)",
+    }[args.verify]
     print(
         f"seconds; medians over {args.versions} versions after {args.warmup} warm-up ({mode}{verify}); "
         "raw: median over all of the model's versions"
@@ -519,11 +534,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="plain `streamer produce` (CPU generation) instead of paced sampling",
     )
     ap.add_argument(
-        "--no-verify",
-        dest="verify",
-        action="store_false",
-        help="what-if: paced producers load without checking the sha256 (resolve's "
-        "check_sha=False); shows what the check costs",
+        "--verify",
+        choices=["manifest", "full", "none"],
+        default="manifest",
+        help='producers\' weights.verify: "manifest" (default), "full" (re-hash every byte), or '
+        '"none" (what-if: resolve\'s check_sha=False)',
     )
     ap.add_argument(
         "--lora",
@@ -532,6 +547,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[0],
         help="LoRA ranks to measure each model at (0 = full weights)",
     )
+    ap.add_argument("--no-verify", dest="verify", action="store_const", const="none", help="= --verify none")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     ap.add_argument(
         "--producer-child", nargs=4, metavar=("CONFIG", "ID", "LATENCY", "VERIFY"), help=argparse.SUPPRESS
@@ -546,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.producer_child:
         config, producer_id, latency, verify = args.producer_child
-        return producer_child(config, producer_id, float(latency), verify=verify == "1")
+        return producer_child(config, producer_id, float(latency), verify=verify)
     from consumers.trainer import _quiet_transformers
 
     _quiet_transformers()

@@ -47,7 +47,9 @@ class Evaluator:
         self.stop = stop or threading.Event()
         self.rows = task.rows[: self.e.max_rows] if self.e.max_rows else task.rows
         self.prompts = [_render(task, row, i) for i, row in enumerate(self.rows)]
-        self.follower = WeightFollower(client, self.keys, weights_dir=cfg.weights_dir, sampler=sampler)
+        self.follower = WeightFollower(
+            client, self.keys, weights_dir=cfg.weights_dir, sampler=sampler, verify=cfg.weights.verify
+        )
         self.publisher = Publisher(client, self.keys, cfg.bus)
         self.evaluated: list[int] = []  # versions evaluated, in order
 

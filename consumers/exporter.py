@@ -7,13 +7,14 @@ It folds the run's ``metrics`` stream into series on three step axes kept apart
 ``streamer status`` prints), and serves ``/metrics`` and ``/healthz``.
 
 Event-sourced state. Everything served from events is a pure fold of the metrics
-stream (:class:`consumers.metrics_state.State`). On start the exporter replays the
-stream from its first entry with XRANGE, then joins its consumer group (``metrics``)
-for new entries; entries at or below the replayed id are acknowledged without being
-applied again. A restart therefore rebuilds the same counter totals instead of
-resetting them. For this to hold the metrics stream is never trimmed (100 k events of
-every catalog name take ~60 MB and replay in ~3 s on one core). Run one exporter per
-run: a second instance in the same group would see only part of the new events.
+stream (:class:`consumers.metrics_state.State`). Every ``metrics.snapshot_interval``
+seconds the exporter saves that state to Redis and trims the stream behind it
+(:mod:`consumers.saved_state`), so the stream stays bounded however long the run. On start
+it loads the snapshot, replays the stream after it with XRANGE, then joins its consumer
+group (``metrics``) for new entries; entries at or below the replayed id are acknowledged
+without being applied again. A restart therefore continues the same counter totals
+instead of resetting them. Run one exporter per run: a second instance in the same group
+would see only part of the new events.
 
 Naming. Gauges in the catalog (:mod:`schemas.metric_names`) serve the latest value as
 ``streamer_{axis}_{name}``; counters are per-event increments summed into
@@ -41,6 +42,7 @@ import redis
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from consumers import saved_state
 from consumers.metrics_state import SERIES, Series, State, gauge
 from schemas import DecodeError, MetricsEvent, decode
 from streamer.bus import FIELD, TRANSIENT, Consumer, connect
@@ -86,6 +88,8 @@ class Exporter:
         self.health_ok = False
         self.alive_at = time.monotonic()
         self.consumer: Consumer[MetricsEvent] | None = None
+        self._trim_to: str | None = None  # id of the previous snapshot: trimmed up to it next
+        self.trimmed = self.snapshots = 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
         self.http: ThreadingHTTPServer | None = None
@@ -93,8 +97,13 @@ class Exporter:
     # ------------------------------------------------------------ state
 
     def bootstrap(self) -> int:
-        """Rebuild the state from the whole metrics stream, then join the consumer group."""
+        """Rebuild the state from the snapshot and the stream after it; join the group."""
         state, after, applied, bad = State(), "-", 0, 0
+        snap = saved_state.load(self.client, self.keys.metrics_snapshot)
+        if snap is not None:
+            state, after = saved_state.restore(snap), f"({snap.last_id}"
+            self._trim_to = snap.last_id
+            log.info("restored the metrics state of %s (%d events)", snap.last_id, sum(snap.events.values()))
         while rows := self.client.xrange(self.keys.metrics, min=after, count=REPLAY_CHUNK):
             for raw_id, fields in rows:
                 entry_id = raw_id.decode()
@@ -123,6 +132,17 @@ class Exporter:
         )
         return applied
 
+    def save_snapshot(self, *, trim: bool = True) -> str:
+        """Save the state; trim the stream up to the previous snapshot (one interval behind)."""
+        last = saved_state.save(self.client, self.keys.metrics_snapshot, self.state)
+        if trim and self._trim_to is not None:
+            ms, _, seq = self._trim_to.partition("-")  # MINID keeps its own id: cut just past it
+            cut = f"{ms}-{int(seq) + 1}"
+            self.trimmed += int(self.client.xtrim(self.keys.metrics, minid=cut, approximate=False))
+        self._trim_to = last
+        self.snapshots += 1
+        return last
+
     def consume(self, block: float) -> int:
         """One read from the group: apply what is new, acknowledge everything read."""
         got = self.consumer.read(block=block)
@@ -144,10 +164,15 @@ class Exporter:
     def run(self, stop: threading.Event) -> None:
         """Consume and sample until ``stop`` is set; survives server outages."""
         interval, next_health, backoff = self.cfg.metrics.health_interval, 0.0, 0.1
+        every = self.cfg.metrics.snapshot_interval
+        next_snapshot = time.monotonic() + every
         while not stop.is_set():
             try:
                 if self.consumer is None:
                     self.bootstrap()
+                if every and time.monotonic() >= next_snapshot:
+                    self.save_snapshot()
+                    next_snapshot = time.monotonic() + every
                 if time.monotonic() >= next_health:
                     self.sample_health()
                     next_health = time.monotonic() + interval
@@ -188,6 +213,11 @@ class Exporter:
         return bound
 
     def close(self) -> None:
+        if self.consumer is not None and self.cfg.metrics.snapshot_interval:
+            try:  # the next start replays less
+                self.save_snapshot(trim=False)
+            except (*TRANSIENT, redis.exceptions.ResponseError) as e:
+                log.warning("could not save the metrics state at exit: %s", e)
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()

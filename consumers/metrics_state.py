@@ -13,10 +13,12 @@ import logging
 import math
 import re
 import threading
+from collections import deque
 from typing import NamedTuple
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
+from consumers.history import History
 from schemas import MetricsEvent
 from schemas.metric_names import AXES
 from streamer.status import Snapshot
@@ -89,6 +91,29 @@ def sanitise(name: str) -> str:
     return re.sub(r"_+", "_", re.sub(r"[^a-z0-9_]", "_", name.lower())).strip("_")
 
 
+class SeenIds:
+    """The ids of the last ``size`` events: a copy of one (an XADD retried after its reply
+    was lost) lands within seconds of the original, so a bounded window finds it."""
+
+    def __init__(self, size: int = 10_000, ids=()):
+        self.order: deque[str] = deque(maxlen=size)
+        self.ids: set[str] = set()
+        for i in ids:
+            self.add(i)
+
+    def add(self, event_id: str) -> bool:
+        """Remember ``event_id``; False if it was already seen ("" is never a duplicate)."""
+        if not event_id:
+            return True
+        if event_id in self.ids:
+            return False
+        if len(self.order) == self.order.maxlen:
+            self.ids.discard(self.order[0])
+        self.order.append(event_id)
+        self.ids.add(event_id)
+        return True
+
+
 class State:
     """The fold of metrics events; everything /metrics serves that does not come from health."""
 
@@ -106,6 +131,9 @@ class State:
         self._names: dict[tuple[str, str], tuple[str, str] | None] = {}  # (axis, name) -> (sample, kind)
         self._producers: dict[str, str] = {}  # source -> label value
         self._warned: set[tuple[str, str]] = set()
+        self.seen = SeenIds()
+        self.history = History()  # the run's curves (progress view, `streamer plot`)
+        self.duplicates = 0  # copies of an event already applied (retried writes), skipped
 
     def apply(self, entry_id: str, event: MetricsEvent) -> bool:
         """Fold one event in; False (and no change) for an id already applied."""
@@ -114,6 +142,9 @@ class State:
             if pid <= self.last_id:
                 return False
             self.last_id = pid
+            if not self.seen.add(event.id):
+                self.duplicates += 1
+                return False
             axis = event.axis
             self.events[axis] += 1
             if axis == "rollout":
@@ -124,6 +155,7 @@ class State:
                 self.last_train_at = event.at
             for name, value in event.values.items():
                 self._apply_value(axis, name, value, event.source)
+            self.history.apply(event)
             return True
 
     def _apply_value(self, axis: str, name: str, value: float, source: str) -> None:

@@ -46,7 +46,7 @@ from streamer.admission import Admission
 from streamer.bus import FIELD, Consumer, Tail, connect, retrying, trim_acked
 from streamer.config import RunConfig
 from streamer.errors import StreamerError
-from streamer.keys import TRAINER_GROUP, Keys
+from streamer.keys import ARCHIVE_GROUP, TRAINER_GROUP, Keys
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,10 @@ class Trainer:
             ack = lambda: self.client.xack(self.keys.traj, TRAINER_GROUP, *entry_ids)  # noqa: E731
             retrying(ack, what="acknowledging trained entries")
             self.feeder.acked(entry_ids)
-            retrying(lambda: trim_acked(self.client, self.keys.traj), what="trimming trajectories")
+            lag = {ARCHIVE_GROUP: self.cfg.archive.max_lag}  # the archiver never holds us back for long
+            retrying(
+                lambda: trim_acked(self.client, self.keys.traj, max_lag=lag), what="trimming trajectories"
+            )
         checkpoint.prune(self.cfg.checkpoint_dir, self.tc.keep_checkpoints)
         log.info("checkpoint %s covers %d groups (high-water %s)", meta.name, len(entry_ids), meta.high_water)
 

@@ -3,8 +3,9 @@
 After a step the trainer hands over a snapshot of the weights (a CPU copy, taken at once,
 so training can go on) and a writer thread does the slow part in order: safetensors into
 ``{weights_dir}/v{version}`` (streamer.weights.write_version: temp dir + rename), then one
-MULTI that XADDs the :class:`WeightSync` to the policy stream and SETs the version key —
-so nobody learns of a version before its files exist — then prunes old versions. At most
+script that XADDs the :class:`WeightSync` to the policy stream and SETs the version key —
+so nobody learns of a version before its files exist, and a retried announcement adds no
+second copy — then prunes old versions. At most
 one version waits while another is written; a slower writer holds the step loop back.
 :meth:`VersionPublisher.drain` waits for everything handed over (before a checkpoint,
 so a checkpoint never names a version that was never published, and at exit).
@@ -28,6 +29,25 @@ from streamer.errors import StreamerError
 from streamer.keys import Keys
 
 log = logging.getLogger(__name__)
+
+
+# XADD the WeightSync and SET the version key, unless that version (or a newer one) is
+# announced already: version numbers are never reused, so a second announcement of the same
+# version can only be a retry whose first reply was lost (redis-py re-sends a command after
+# a timeout; so does `retrying`). 1 = added, 0 = already there. The stream keeps about the
+# last POLICY_KEEP versions: readers want the newest (a late one reads only that).
+ANNOUNCE = """
+local current = tonumber(redis.call('GET', KEYS[2]) or '-1')
+if current >= tonumber(ARGV[3]) and redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', ARGV[1], ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3])
+return 1
+"""
+
+
+POLICY_KEEP = 1000
 
 
 class Snapshot:
@@ -54,6 +74,7 @@ class VersionPublisher:
         self.last_seconds = 0.0  # write + publish time of the newest published version
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
+        self._announce = client.register_script(ANNOUNCE)
         self._thread = threading.Thread(target=self._run, name="trainer-versions", daemon=True)
         self._thread.start()
 
@@ -109,13 +130,15 @@ class VersionPublisher:
         uri, sha = weights.write_version(model, self.root, version)
         sync = WeightSync(version=version, step=step, uri=uri, sha256=sha)
 
-        def announce():
-            pipe = self.client.pipeline(transaction=True)
-            pipe.xadd(self.keys.policy, {FIELD: encode(sync)})
-            pipe.set(self.keys.version, version)
-            pipe.execute()
-
-        retrying(announce, what=f"publishing version {version}")
+        payload = encode(sync)
+        added = retrying(
+            lambda: self._announce(
+                keys=[self.keys.policy, self.keys.version], args=[FIELD, payload, version, POLICY_KEEP]
+            ),
+            what=f"publishing version {version}",
+        )
+        if not added:  # our first try went through; its reply was lost
+            log.info("version %d was already announced (a retry after a lost reply)", version)
         weights.prune(self.root, self.keep_versions, protect=(self.protect(),))
         self.last_seconds = time.monotonic() - start
 

@@ -3,7 +3,8 @@
 The newest entry of ``…:policy`` is the current policy. Before each group the producer
 asks :meth:`WeightFollower.update` to load it if it is newer than what the sampler has:
 the uri must lie inside ``weights_dir`` and the sha256 must match
-(:func:`streamer.weights.resolve`), then the sampler loads it (in place for a local
+(:func:`streamer.weights.resolve`: by the trainer's manifest, or every byte re-hashed with
+``weights.verify = "full"``), then the sampler loads it (in place for a local
 model; a reload request for a server). A version that cannot be loaded is logged,
 counted and skipped for good; sampling continues with the weights the sampler has, and
 the samples keep that older version stamp.
@@ -30,8 +31,11 @@ log = logging.getLogger(__name__)
 
 
 class WeightFollower:
-    def __init__(self, client: redis.Redis, keys: Keys, *, weights_dir: Path, sampler):
+    def __init__(
+        self, client: redis.Redis, keys: Keys, *, weights_dir: Path, sampler, verify: str = "manifest"
+    ):
         self.tail = Tail(client, keys.policy, as_type=WeightSync)
+        self.verify = verify  # weights.resolve: "manifest" (same filesystem) or "full" re-hash
         self.weights_dir, self.sampler = Path(weights_dir), sampler
         self.version = 0  # policy version of the weights the sampler holds
         self.failed: set[int] = set()  # versions that could not be loaded (not retried)
@@ -52,7 +56,7 @@ class WeightFollower:
         """Load ``sync`` now; False (logged, counted) when it cannot be loaded."""
         start = time.monotonic()
         try:
-            path = weights.resolve(sync, self.weights_dir)
+            path = weights.resolve(sync, self.weights_dir, verify=self.verify)
             if self.shared is None:
                 self.sampler.load_weights(path)
                 version = sync.version

@@ -72,7 +72,9 @@ class Producer:
             client, self.keys, max_staleness=t.max_staleness, groups_per_step=t.groups_per_step
         )
         self.publisher = Publisher(client, self.keys, cfg.bus)
-        self.follower = WeightFollower(client, self.keys, weights_dir=cfg.weights_dir, sampler=sampler)
+        self.follower = WeightFollower(
+            client, self.keys, weights_dir=cfg.weights_dir, sampler=sampler, verify=cfg.weights.verify
+        )
         self.pending = Pending()
         self.current: int | None = None  # ticket being worked on (renewed by the heartbeat)
         self.published = 0

@@ -10,6 +10,7 @@ decodes is a payload the trainer can use; anything else is a decode error.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Literal
 
@@ -27,6 +28,10 @@ Axis = Literal["train", "rollout", "eval"]
 
 def _now() -> float:
     return time.time()
+
+
+def _event_id() -> str:
+    return os.urandom(8).hex()
 
 
 def _check_schema(v: int) -> None:
@@ -178,6 +183,9 @@ class MetricsEvent(msgspec.Struct, frozen=True, tag="metrics", kw_only=True):
     source: str  # "trainer", "producer-<id>", "eval"
     at: float = msgspec.field(default_factory=_now)
     schema: int = SCHEMA_VERSION
+    # random per event, fixed at construction: an XADD retried after a lost reply repeats the
+    # same bytes, so a second entry with this id is a copy that readers skip ("" = no id)
+    id: str = msgspec.field(default_factory=_event_id)
 
     def __post_init__(self) -> None:
         _check_schema(self.schema)

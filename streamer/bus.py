@@ -337,11 +337,13 @@ class Consumer(Generic[T]):
         self.dead_lettered += len(dead)
 
 
-def trim_acked(client: redis.Redis, stream: str) -> int:
+def trim_acked(client: redis.Redis, stream: str, *, max_lag: dict[str, int] | None = None) -> int:
     """Delete entries every consumer group has acknowledged; returns how many went.
 
     The cut is the oldest entry any group still needs: its smallest pending id, or the
-    entry after its last-delivered id. A stream without groups is never trimmed.
+    entry after its last-delivered id. A stream without groups is never trimmed. A group
+    named in ``max_lag`` (the rollout archiver) holds the cut back by at most that many
+    entries behind the other groups' cut; past that it loses what it has not read.
     """
     try:
         groups = client.xinfo_groups(stream)
@@ -349,20 +351,37 @@ def trim_acked(client: redis.Redis, stream: str) -> int:
         return 0
     if not groups:
         return 0
-    cuts = []
+    max_lag = max_lag or {}
+    cuts: dict[str, tuple[int, int]] = {}
     for g in groups:
+        name = _s(g["name"])
         # the pending list may empty between XINFO and XPENDING (a consumer acknowledging):
         # then nothing up to the last-delivered id XINFO saw is pending any more
-        oldest = client.xpending(stream, _s(g["name"]))["min"] if int(g["pending"]) > 0 else None
+        oldest = client.xpending(stream, name)["min"] if int(g["pending"]) > 0 else None
         if oldest is not None:
-            cuts.append(_parse_id(_s(oldest)))
+            cuts[name] = _parse_id(_s(oldest))
         else:
             ms, seq = _parse_id(_s(g["last-delivered-id"]))
-            cuts.append((ms, seq + 1))
-    ms, seq = min(cuts)
+            cuts[name] = (ms, seq + 1)
+    strict = [c for n, c in cuts.items() if n not in max_lag]
+    if strict:
+        bound = min(strict)
+        for name, limit in max_lag.items():
+            if name in cuts and cuts[name] < bound:
+                cuts[name] = _lag_bound(client, stream, name, cuts[name], bound, limit)
+    ms, seq = min(cuts.values())
     if (ms, seq) <= (0, 1):
         return 0
     return int(client.xtrim(stream, minid=f"{ms}-{seq}", approximate=False))
+
+
+def _lag_bound(client, stream: str, group: str, cut: tuple[int, int], bound: tuple[int, int], limit: int):
+    """``cut``, or the id ``limit`` entries before ``bound`` if ``cut`` is further behind."""
+    rows = client.xrevrange(stream, max=f"({bound[0]}-{bound[1]}", min=f"{cut[0]}-{cut[1]}", count=limit + 1)
+    if len(rows) <= limit:
+        return cut
+    log.warning("%s: group %s is more than %d entries behind; trimming past it", stream, group, limit)
+    return _parse_id(_s(rows[limit - 1][0]))
 
 
 # ---------------------------------------------------------------- plain readers

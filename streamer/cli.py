@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
-from streamer.config import RunConfig, load_config, replace
+from streamer.config import URL_ENV, RunConfig, load_config, replace
 from streamer.errors import ConfigError, StreamerError
 
 log = logging.getLogger("streamer")
@@ -23,6 +24,10 @@ ROLES = {
     "eval": "consumers.evaluator:main",
     "metrics": "consumers.exporter:main",
     "status": "streamer.status:main",
+    "archive": "consumers.archive:main",
+    "samples": "streamer.rollouts:samples_main",
+    "dead": "streamer.rollouts:dead_main",
+    "plot": "streamer.plot:main",
     "smoke": "streamer.smoke:main",
 }
 
@@ -35,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     def role(name: str, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help)
         sp.add_argument("--config", help="TOML run config (default: the built-in demo)")
-        sp.add_argument("--redis-url", help="override run.redis_url")
+        sp.add_argument(
+            "--redis-url", help=f"override run.redis_url (${URL_ENV} too; keeps a password off argv)"
+        )
         sp.add_argument("--run", help="override run.name")
         sp.add_argument("--data-dir", help="override run.data_dir")
         return sp
@@ -58,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--host", help="override metrics.host")
     st = role("status", "streams, lag, versions, producers, dead letters of a run")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    role("archive", "the rollout archiver (groups as text under the run's data dir)")
+    sa = role("samples", "recent rollouts of a run, as text, from its archive")
+    sa.add_argument("--last", type=int, default=5, help="groups to print (default 5)")
+    sa.add_argument("--min-reward", type=float, help="only completions with reward >= this")
+    sa.add_argument("--follow", action="store_true", help="keep printing new groups")
+    de = role("dead", "dead letters of a run, with their reasons")
+    de.add_argument("--last", type=int, default=20, help="newest dead letters to list (default 20)")
+    de.add_argument("--replay", metavar="ID", help="re-publish this dead letter to its stream")
+    pl = role("plot", "a PNG of the run: reward/accuracy per version, loss/staleness per step")
+    pl.add_argument("--out", help="PNG path (default {data_dir}/{run}/run.png)")
     role("smoke", "a round trip of every event type through an embedded server")
     cd = sub.add_parser("config-doc", help="print the config reference (Markdown)")
     cd.add_argument("--write", metavar="FILE", help="update the reference between FILE's markers")
@@ -67,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     cfg = load_config(getattr(args, "config", None))
+    url = args.redis_url if args.redis_url is not None else (os.environ.get(URL_ENV) or None)
     run = {
         k: v
-        for k, v in (("redis_url", args.redis_url), ("name", args.run), ("data_dir", args.data_dir))
+        for k, v in (("redis_url", url), ("name", args.run), ("data_dir", args.data_dir))
         if v is not None
     }
     try:

@@ -17,6 +17,10 @@ import msgspec
 from streamer.errors import ConfigError
 from streamer.keys import Keys
 
+# the server URL from the environment, between --redis-url and the config file: how `up`
+# hands it to its children, so a password never shows in a process's command line
+URL_ENV = "STREAMER_REDIS_URL"
+
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     def _positive(self, *names: str, allow_zero: bool = False) -> None:
@@ -241,11 +245,35 @@ class MetricsSection(_Section):
     port: int = 9464  # exporter port (/metrics, /healthz)
     health_interval: float = 5.0  # seconds between stream-health samples
     stall_seconds: float = 300.0  # `status` exits 1: no new version this long while groups wait
+    snapshot_interval: float = 30.0  # exporter state snapshot, then metrics stream trimmed; 0 = never
 
     def __post_init__(self) -> None:
         self._positive("health_interval", "stall_seconds")
+        self._positive("snapshot_interval", allow_zero=True)
         if not 0 <= self.port < 65536:
             raise ValueError(f"`port` must be in 0..65535, got {self.port}")
+
+
+class WeightsSection(_Section):
+    """How producers and the evaluator check a policy version before loading it."""
+
+    verify: Literal["manifest", "full"] = "manifest"  # manifest = trainer's digests (same fs); full = re-hash
+
+
+class ArchiveSection(_Section):
+    """The rollout archive (`streamer archive`, started by `up`): groups as text on disk."""
+
+    enabled: bool = True  # `up` starts the archiver
+    max_bytes: int = 1 << 30  # compressed archive kept under {run_dir}/archive; oldest files go
+    file_bytes: int = 16 << 20  # a new file past this many compressed bytes
+    max_lag: int = 10_000  # trajectory entries it may fall behind before trimming passes it
+
+    def __post_init__(self) -> None:
+        self._positive("max_bytes", "file_bytes", "max_lag")
+        if self.file_bytes > self.max_bytes:
+            raise ValueError(
+                f"`file_bytes` ({self.file_bytes}) must not exceed `max_bytes` ({self.max_bytes})"
+            )
 
 
 class RunConfig(_Section):
@@ -256,6 +284,8 @@ class RunConfig(_Section):
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+    weights: WeightsSection = msgspec.field(default_factory=WeightsSection)
+    archive: ArchiveSection = msgspec.field(default_factory=ArchiveSection)
 
     def __post_init__(self) -> None:
         builtin = self.trainer.advantage in ADVANTAGE_NAMES
@@ -289,7 +319,9 @@ class RunConfig(_Section):
 
     def require_redis_url(self) -> str:
         if not self.run.redis_url:
-            raise ConfigError("`run.redis_url` is empty: set it, pass --redis-url, or use `streamer up`")
+            raise ConfigError(
+                f"`run.redis_url` is empty: set it, pass --redis-url or ${URL_ENV}, or use `streamer up`"
+            )
         return self.run.redis_url
 
 

@@ -13,7 +13,8 @@ _RUN_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # consumer groups
 TRAINER_GROUP = "trainer"
 METRICS_GROUP = "metrics"  # the exporter's group on the metrics stream
-ROLLOUT_AUDIT_GROUP = "exporter"  # reserved for an archiver / auditor on traj
+ROLLOUT_AUDIT_GROUP = "exporter"  # reserved for an auditor on traj
+ARCHIVE_GROUP = "archive"  # the rollout archiver on traj; trimming passes it past archive.max_lag
 
 
 class Keys:
@@ -44,6 +45,10 @@ class Keys:
     @property
     def dead(self) -> str:
         return self._k("dead")  # DeadLetter
+
+    @property
+    def metrics_snapshot(self) -> str:
+        return self._k("metrics_snapshot")  # STRING: the exporter's msgspec state snapshot
 
     # counters and sets
     @property

@@ -1,7 +1,9 @@
 """The live view of a run, read from the server like any other reader: `up` prints it.
 
 It follows the metrics stream with a plain XREAD (no consumer group, so it takes nothing
-from the exporter), and reads the version counter and the trainer group's lag.
+from the exporter), folding events into a :class:`~consumers.history.History`; a resumed
+run starts from the exporter's snapshot. It reads the version counter and the trainer
+group's lag.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import threading
 import time
 from collections import deque
 
+from consumers import saved_state
+from consumers.history import WINDOW, History
+from consumers.metrics_state import SeenIds
 from schemas import MetricsEvent
 from streamer.bus import Tail, connect, unacked
 from streamer.config import RunConfig
 from streamer.keys import Keys
 
-WINDOW = 32  # rollout groups in the moving mean of reward
 THRESHOLD = 0.8  # the demo's goal for the moving reward and eval accuracy
 
 
@@ -25,48 +29,54 @@ class Progress:
     def __init__(self, cfg: RunConfig, *, target_steps: int, live: bool = True, started: float | None = None):
         self.keys = Keys(cfg.run.name)
         self.client = connect(cfg.run.redis_url, socket_timeout=cfg.bus.socket_timeout)
-        self.tail = Tail(self.client, self.keys.metrics, as_type=MetricsEvent)
         self.target_steps = target_steps
         self.live = live and sys.stdout.isatty()
-        self.train_step = 0
-        self.rewards: deque[float] = deque(maxlen=WINDOW)
-        self.first_reward: float | None = None
-        self.eval_acc: float | None = None
-        self.eval_step = -1
-        self.curve: dict[int, list[float]] = {}  # policy version -> rollout rewards
-        self.eval_curve: dict[int, float] = {}
-        self.groups = 0
+        # a resumed run: the exporter's snapshot, then the metrics stream after it (it is
+        # trimmed behind the snapshots)
+        snap = saved_state.load(self.client, self.keys.metrics_snapshot)
+        self.history = snap.history if snap else History()
+        self.seen = SeenIds(ids=snap.seen if snap else ())
+        self.tail = Tail(
+            self.client, self.keys.metrics, as_type=MetricsEvent, last_id=snap.last_id if snap else "0"
+        )
         self._rate: deque[tuple[float, int]] = deque(maxlen=30)
         self._last_print = 0.0
         self.started = time.monotonic() if started is None else started  # `up` began
         self.reached: dict[str, float] = {}  # "reward"/"eval" -> seconds to reach THRESHOLD
 
+    @property
+    def train_step(self) -> int:
+        return self.history.train_step
+
+    @property
+    def eval_step(self) -> int:
+        return self.history.eval_step
+
+    @property
+    def eval_acc(self) -> float | None:
+        return self.history.eval_accuracy
+
+    @property
+    def groups(self) -> int:
+        return self.history.groups
+
     def version(self) -> int:
         return int(self.client.get(self.keys.version) or 0)
 
     def update(self) -> None:
+        h = self.history
         for e in self.tail.poll(count=10_000):
-            if e.axis == "train":
-                self.train_step = max(self.train_step, e.step)
-            elif e.axis == "rollout":
-                if (r := e.values.get("reward_mean")) is not None:
-                    self.rewards.append(r)
-                    if len(self.rewards) == WINDOW and self.first_reward is None:
-                        self.first_reward = sum(self.rewards) / WINDOW
-                    v = int(e.values.get("policy_version", -1))
-                    self.curve.setdefault(v, []).append(r)
-                    if len(self.rewards) == WINDOW and self.reward() >= THRESHOLD:
-                        self.reached.setdefault("reward", time.monotonic() - self.started)
-                self.groups += int(e.values.get("groups", 1))
-            elif e.axis == "eval" and e.step >= self.eval_step:
-                self.eval_step, self.eval_acc = e.step, e.values.get("accuracy")
-                self.eval_curve[e.step] = self.eval_acc
-                if (self.eval_acc or 0.0) >= THRESHOLD:
-                    self.reached.setdefault("eval", time.monotonic() - self.started)
-        self._rate.append((time.monotonic(), self.groups))
+            if not self.seen.add(e.id):
+                continue  # a copy written by a retry
+            h.apply(e)
+            if len(h.recent_rewards) == WINDOW and (h.reward() or 0.0) >= THRESHOLD:
+                self.reached.setdefault("reward", time.monotonic() - self.started)
+            if (h.eval_accuracy or 0.0) >= THRESHOLD:
+                self.reached.setdefault("eval", time.monotonic() - self.started)
+        self._rate.append((time.monotonic(), h.groups))
 
     def reward(self) -> float | None:
-        return sum(self.rewards) / len(self.rewards) if self.rewards else None
+        return self.history.reward()
 
     def groups_per_second(self) -> float:
         if len(self._rate) < 2:
@@ -104,7 +114,7 @@ class Progress:
     def summary(self, elapsed: float, weights_dir) -> str:
         self.update()
         reward = self.reward()
-        first = self.first_reward
+        first = self.history.first_reward
         lines = [
             "",
             "streamer up: summary",
@@ -126,9 +136,9 @@ class Progress:
             "wall_seconds": elapsed,
             "steps": self.train_step,
             "reached_seconds": self.reached,
-            "reward_by_version": {v: sum(r) / len(r) for v, r in sorted(self.curve.items())},
-            "groups_by_version": {v: len(r) for v, r in sorted(self.curve.items())},
-            "eval_accuracy_by_version": dict(sorted(self.eval_curve.items())),
+            "reward_by_version": self.history.reward_by_version.means(),
+            "groups_by_version": self.history.reward_by_version.counts(),
+            "eval_accuracy_by_version": self.history.eval_by_version.means(),
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=1))

@@ -61,6 +61,14 @@ class EmbeddedServer:
         self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
 
+    def _auth_file(self) -> Path:
+        path = self.data_dir / "auth.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'requirepass "{self.password}"\n')
+        return path
+
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
@@ -91,8 +99,8 @@ class EmbeddedServer:
         ]
         if self.socket_path:
             args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
-        if self.password:
-            args += ["--requirepass", self.password]
+        if self.password:  # in a mode-600 config file, not argv (readable by every local user)
+            args.insert(1, str(self._auth_file()))
         args += list(self.extra_args)
         try:
             self.proc = subprocess.Popen(

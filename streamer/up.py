@@ -21,8 +21,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamer import plot
 from streamer.bus import connect, redact
-from streamer.config import RunConfig, replace
+from streamer.config import URL_ENV, RunConfig, replace
 from streamer.keys import Keys
 from streamer.progress import Progress
 from streamer.server import EmbeddedServer, free_port
@@ -83,7 +84,7 @@ class Stack:
     children: dict[str, Child] = field(default_factory=dict)
     server: EmbeddedServer | None = None
 
-    STOP_ORDER = ("produce", "eval", "train", "metrics")
+    STOP_ORDER = ("produce", "eval", "train", "archive", "metrics")
 
     def stop_children(self) -> None:
         for kind in self.STOP_ORDER:
@@ -110,7 +111,9 @@ def _role_argv(cmd: str, cfg: RunConfig, args, *extra: str) -> list[str]:
     argv = [sys.executable, "-m", "streamer", "--log-level", args.log_level, cmd]
     if args.config:
         argv += ["--config", args.config]
-    argv += ["--redis-url", cfg.run.redis_url, "--run", cfg.run.name, "--data-dir", cfg.run.data_dir]
+    # the server URL (a password, perhaps) travels in the environment (URL_ENV), never in
+    # argv: /proc/PID/cmdline is readable by every local user, /proc/PID/environ only by us
+    argv += ["--run", cfg.run.name, "--data-dir", cfg.run.data_dir]
     return argv + list(extra)
 
 
@@ -152,7 +155,7 @@ def main(cfg: RunConfig, args) -> int:
     connect(cfg.run.redis_url)  # one clear line now if the server is unusable
     port = _metrics_port(cfg)
     steps = cfg.trainer.steps
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", URL_ENV: cfg.run.redis_url}
     # N busy processes share this machine's cores: oversubscribed torch threads slow all.
     compute = args.producers + 2  # producers, trainer, evaluator
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // compute)))
@@ -162,6 +165,8 @@ def main(cfg: RunConfig, args) -> int:
         ("train", _role_argv("train", cfg, args, *(["--steps", str(args.steps)] if args.steps else [])))
     )
     specs.append(("eval", _role_argv("eval", cfg, args)))
+    if cfg.archive.enabled:
+        specs.append(("archive", _role_argv("archive", cfg, args)))
     specs += [
         (f"produce-{i}", _role_argv("produce", cfg, args, "--id", f"p{i}")) for i in range(args.producers)
     ]
@@ -195,6 +200,9 @@ def main(cfg: RunConfig, args) -> int:
             elapsed = time.monotonic() - started
             summary = progress.summary(elapsed, cfg.weights_dir)
             progress.record(cfg.run_dir / "curve.json", elapsed)
+            title = f"run {cfg.run.name}: {progress.train_step} steps, {progress.groups} groups"
+            if picture := plot.save_quietly(progress.history, cfg.run_dir / "run.png", title=title):
+                summary += f"\n  picture            {picture}"
         finally:
             stack.stop_server()
             for s, h in old.items():

@@ -1,8 +1,10 @@
 """Policy weights on disk: safetensors in HF layout, one directory per version.
 
-The trainer writes ``{root}/v{version:08d}/`` (model.safetensors + config.json) into a
-temporary directory and renames it into place, so a reader never sees half a version.
-Readers accept only ``file://`` URIs inside the configured root whose sha256 matches.
+The trainer writes ``{root}/v{version:08d}/`` (model.safetensors + config.json and a
+manifest.json of per-file sha256 digests, hashed while writing) into a temporary directory
+and renames it into place, so a reader never sees half a version. Readers accept only
+``file://`` URIs inside the configured root whose sha256 matches: by the manifest on the
+same filesystem (no re-read of the bytes), or by hashing every byte (``verify="full"``).
 No pickle: nothing here calls ``torch.load``.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -18,11 +21,16 @@ import urllib.parse
 from pathlib import Path
 
 from schemas import WeightSync
+from streamer import tensorfile
 from streamer.errors import DiskError, WeightsError
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "v"
+WEIGHTS_FILE = "model.safetensors"
+MANIFEST = "manifest.json"  # the writer's per-file sha256 and sizes
+MANIFEST_FORMAT = 1
+VERIFY_MODES = ("manifest", "full")
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -52,15 +60,21 @@ def _hash_into(h, path: Path):
 
 
 def write_version(model, root: Path, version: int) -> tuple[str, str]:
-    """Save ``model`` (a transformers PreTrainedModel) as version ``version``; (uri, sha256)."""
+    """Save ``model`` (a transformers PreTrainedModel, or a versions.Snapshot of one) as
+    version ``version``; (uri, sha256 of its safetensors).
+
+    The bytes are hashed as they are written and the per-file digests go into
+    ``manifest.json``; the directory appears under its final name only once complete.
+    """
     root = Path(root).resolve()
     final = version_dir(root, version)
     with writing(f"policy version {version}", root):
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
         try:
-            model.save_pretrained(tmp, safe_serialization=True)
-            sha = digest(tmp)
+            files = save(model, tmp)
+            (sha,) = [f["sha256"] for n, f in files.items() if n.endswith(".safetensors")]  # = digest()
+            _write_manifest(tmp, version, sha, files)
             for f in tmp.iterdir():
                 fsync(f)
             if final.exists():  # a version number is never reused; a leftover is from a crash
@@ -71,6 +85,84 @@ def write_version(model, root: Path, version: int) -> tuple[str, str]:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final.as_uri(), sha
+
+
+def save(model, directory: Path) -> dict[str, dict]:
+    """model.safetensors (HF layout, tied tensors once) + config files; {file: {sha256, bytes}}.
+
+    A LoRA policy (streamer.lora.AdapterView) is saved in PEFT layout instead: its adapter's
+    megabytes are hashed after writing, not while.
+    """
+    from streamer import lora
+
+    state = getattr(model, "state", None)
+    base = getattr(model, "model", model) if isinstance(state, dict) else model
+    if isinstance(base, lora.AdapterView):
+        base.save_pretrained(directory, state_dict=state)
+        return {
+            f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size} for f in sorted(directory.iterdir())
+        }
+    tensors = _unaliased(state if isinstance(state, dict) else base.state_dict(), _tied_keys(base))
+    sha, size = tensorfile.write(directory / WEIGHTS_FILE, tensors, {"format": "pt"})
+    base.config.to_json_file(directory / "config.json")
+    generation = getattr(base, "generation_config", None)
+    if generation is not None and base.can_generate():
+        generation.to_json_file(directory / "generation_config.json")
+    files = {WEIGHTS_FILE: {"sha256": sha, "bytes": size}}
+    for f in sorted(directory.glob("*.json")):
+        files[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    return files
+
+
+def _unaliased(state: dict, tied: set[str]) -> dict:
+    """Each storage once (safetensors refuses aliases), keeping the name that is not tied."""
+    by_ptr: dict[int, str] = {}
+    for name, t in state.items():
+        ptr = t.data_ptr() if t.numel() else id(t)
+        kept = by_ptr.get(ptr)
+        if kept is None or (kept in tied and name not in tied):
+            by_ptr[ptr] = name
+    keep = set(by_ptr.values())
+    return {n: t for n, t in state.items() if n in keep}
+
+
+def _write_manifest(directory: Path, version: int, digest_: str, files: dict) -> None:
+    doc = {"format": MANIFEST_FORMAT, "version": version, "sha256": digest_, "files": files}
+    (directory / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
+def check_manifest(path: Path, sha256: str) -> bool:
+    """Whether ``path``'s manifest names ``sha256`` and every file is there at its size.
+
+    For a directory written by :func:`write_version` on this filesystem: it appears only
+    complete (atomic rename), so the trainer's digests in the manifest stand for the bytes.
+    False when there is no manifest (then the caller hashes). Raises WeightsError on a
+    mismatch.
+    """
+    try:
+        raw = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return False
+    try:
+        doc = json.loads(raw)
+        files = {str(k): int(v["bytes"]) for k, v in doc["files"].items()}
+        named = str(doc["sha256"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise WeightsError(f"{path}: unreadable {MANIFEST}") from None
+    if named != sha256:
+        raise WeightsError(f"sha256 mismatch ({named[:12]}... in {MANIFEST} != {sha256[:12]}...)")
+    on_disk = {f.name for f in path.glob("*.safetensors")}
+    listed = {f for f in files if f.endswith(".safetensors")}
+    if on_disk != listed:
+        raise WeightsError(f"{path}: safetensors files {sorted(on_disk)} != {MANIFEST}'s {sorted(listed)}")
+    for name, size in files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            actual = -1
+        if actual != size:
+            raise WeightsError(f"{path}/{name}: {actual} bytes, {MANIFEST} says {size}")
+    return True
 
 
 @contextlib.contextmanager
@@ -103,8 +195,14 @@ def prune(root: Path, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
     return doomed
 
 
-def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True) -> Path:
-    """The local directory of ``sync``'s weights, refusing anything outside ``root``."""
+def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True, verify: str = "manifest") -> Path:
+    """The local directory of ``sync``'s weights, refusing anything outside ``root``.
+
+    ``verify="manifest"`` trusts the writer's per-file digests in the directory's manifest
+    (the same filesystem, the directory renamed into place complete) after checking that it
+    names ``sync.sha256`` and every file's size; ``"full"`` re-hashes every byte (weights
+    that crossed untrusted storage). A directory without a manifest is always hashed.
+    """
     parts = urllib.parse.urlsplit(sync.uri)
     if parts.scheme != "file":
         raise WeightsError(f"version {sync.version}: unsupported weights uri {sync.uri!r}")
@@ -114,7 +212,16 @@ def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True) -> Path:
         raise WeightsError(f"version {sync.version}: weights {path} are outside {root}")
     if not path.is_dir():
         raise WeightsError(f"version {sync.version}: weights directory {path} does not exist")
-    if check_sha and (actual := digest(path)) != sync.sha256:
+    if not check_sha:
+        return path
+    if verify not in VERIFY_MODES:
+        raise WeightsError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    try:
+        if verify == "manifest" and check_manifest(path, sync.sha256):
+            return path
+    except WeightsError as e:
+        raise WeightsError(f"version {sync.version}: {e}") from None
+    if (actual := digest(path)) != sync.sha256:
         raise WeightsError(
             f"version {sync.version}: sha256 mismatch ({actual[:12]}... != {sync.sha256[:12]}...)"
         )
@@ -126,8 +233,6 @@ def load_into(model, directory: Path) -> None:
 
     A LoRA adapter directory (streamer/lora.py) is loaded into the model's adapter.
     """
-    from safetensors.torch import load_file
-
     from streamer import lora
 
     if lora.is_adapter(directory):
@@ -137,16 +242,18 @@ def load_into(model, directory: Path) -> None:
             raise WeightsError(str(e)) from None
         return
 
-    state = {}
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        state.update(load_file(f, device=str(next(model.parameters()).device)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = model.state_dict()
+    files = sorted(Path(directory).glob("*.safetensors"))
+    names = set().union(*(tensorfile.header(f)[0].keys() for f in files))
     tied = _tied_keys(model)
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
+    missing = [k for k in params if k not in names and k not in tied]
+    unexpected = sorted(names - params.keys())
+    if missing or unexpected or not files:
         raise WeightsError(
             f"weights in {directory} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    for f in files:  # each tensor copied once, from the mapped file into the parameter
+        tensorfile.load_into(params, f)
     if tied:
         model.tie_weights()
 

@@ -23,6 +23,7 @@ RATIO = re.compile(r"^ratios: (\S+=\d+\.\d\dx.*)$")
         ("transport.py", ["vs_raw_512", "vs_raw_4096", "vs_pipelinerl_512", "vs_pipelinerl_4096"]),
         ("codec.py", ["msgspec_vs_json_512", "msgspec_vs_pickle_lists_4096"]),
         ("memory.py", ["used_memory_per_payload_512", "max_xlen_vs_limit"]),
+        ("metrics_memory.py", ["used_memory_1000_vs_200_steps"]),
     ],
 )
 def test_bench_quick_prints_ratios(script, expected):

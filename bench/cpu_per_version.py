@@ -1,0 +1,222 @@
+"""CPU per policy version: the whole demo system against a bare in-process GRPO loop.
+
+Two sides, in one run, each a child process of this one so that its CPU (user + system,
+every descendant included: ``getrusage(RUSAGE_CHILDREN)`` once it is waited for) is
+counted the same way:
+
+    system  ``streamer up --steps N`` with the demo's defaults: the embedded Valkey
+            server, trainer, evaluator, exporter, archiver and 2 producers, each its own
+            process (one torch thread each, as `up` sets on a 2-core machine)
+    bare    one process, one torch thread: the same demo model, LocalSampler, task,
+            reward, group filter, collate and Learner, sampling its groups with the very
+            model it trains (no weights written, nothing published), and the same greedy
+            evaluation every ``eval.eval_every`` versions
+
+The figure is CPU seconds per policy version (one version per train step), system / bare.
+While the system runs, each process's CPU is read from ``/proc/PID/stat`` every 0.25 s;
+the last reading before it exits gives the breakdown by role (the total is exact, the
+parts miss at most the last 0.25 s of each process).
+
+    python bench/cpu_per_version.py               # 100 steps each side (~3-4 min here)
+    python bench/cpu_per_version.py --steps 300
+    python bench/cpu_per_version.py --quick       # smoke run (10 steps)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as C
+
+GOAL = 1.2
+TICK = os.sysconf("SC_CLK_TCK")
+ROLE = re.compile(r" -m streamer (?:--log-level \S+ )?(\w+)")
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _tree(pid: int) -> dict[int, tuple[str, float]]:
+    """pid's descendants (and itself): pid -> (role, CPU seconds so far)."""
+    stats = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            f = stat.rpartition(")")[2].split()
+            stats[int(d.name)] = (int(f[1]), cmd, (int(f[11]) + int(f[12])) / TICK)
+    out, frontier = {}, {pid}
+    while frontier:
+        for p in frontier:
+            if p in stats:
+                _, cmd, cpu = stats[p]
+                m = ROLE.search(cmd)
+                role = m.group(1) if m else ("valkey" if "valkey" in cmd else Path(cmd.split(" ")[0]).name)
+                role = "" if not cmd.strip() else role
+                out[p] = (role, cpu)
+        frontier = {p for p, (pp, _, _) in stats.items() if pp in frontier and p not in out}
+    return out
+
+
+def system_side(steps: int, producers: int, workdir: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(C.ROOT), "PYTHONUNBUFFERED": "1"}
+    env.pop("OMP_NUM_THREADS", None)  # `up` sets it as it would for a user
+    argv = [sys.executable, "-m", "streamer", "up", "--steps", str(steps), "--producers", str(producers)]
+    argv += ["--data-dir", str(workdir), "--fresh", "--no-progress"]
+    before, start = _children_cpu(), time.monotonic()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: dict[int, tuple[str, float]] = {}
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        for pid, (role, cpu) in _tree(proc.pid).items():
+            old_role, old_cpu = seen.get(pid, ("", 0.0))
+            seen[pid] = (role or old_role, max(cpu, old_cpu))  # an exited child has no cmdline
+        time.sleep(0.25)
+    reader.join(10)
+    cpu, wall = _children_cpu() - before, time.monotonic() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"streamer up exited {proc.returncode}:\n{''.join(out[-30:])}")
+    roles: dict[str, float] = {}
+    for role, seconds in seen.values():
+        roles[role] = roles.get(role, 0.0) + seconds
+    return {"cpu": cpu, "wall": wall, "versions": steps, "roles": roles}
+
+
+def bare_side(steps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": "1"}
+    before, start = _children_cpu(), time.monotonic()
+    subprocess.run([sys.executable, __file__, "--bare-child", str(steps)], env=env, check=True)
+    return {"cpu": _children_cpu() - before, "wall": time.monotonic() - start, "versions": steps}
+
+
+def bare_child(steps: int) -> int:
+    """The bare loop: sample with the model being trained, filter, collate, step."""
+    import torch
+
+    from consumers.batch import collate
+    from consumers.filters import GroupFilter
+    from consumers.learner import Learner
+    from consumers.trainer import _quiet_transformers
+    from producers.components import build, load_task
+    from producers.rewards import score
+    from schemas import Sample, TrajectoryGroup
+    from streamer.config import load_config, replace
+
+    _quiet_transformers()
+    torch.set_num_threads(1)
+    cfg = load_config(None)
+    cfg = replace(cfg, trainer={"steps": steps})
+    p, tc = cfg.producer, cfg.trainer
+    task, sampler = build(cfg)
+    learner = Learner(sampler.model, tc)
+    keep = GroupFilter.from_config(tc)
+    ev = load_task(cfg, dataset="demo", split="eval", tokenizer=task.renderer.tokenizer)
+    ev_prompts = [ev.renderer.render(r) for r in ev.rows]
+    rng, seed = random.Random(cfg.run.seed), 0
+    for version in range(steps + 1):
+        if version % cfg.eval.eval_every == 0:
+            for lo in range(0, len(ev_prompts), cfg.eval.batch_size):
+                batch = sampler.sample_many(
+                    ev_prompts[lo : lo + cfg.eval.batch_size],
+                    n=1,
+                    temperature=0,
+                    max_new_tokens=cfg.eval.max_new_tokens,
+                )
+                [
+                    score(ev.reward_fn, row, ev.renderer.decode(c.token_ids), c)
+                    for row, (c,) in zip(ev.rows[lo:], batch)
+                ]
+        if version == steps:
+            break
+        groups = []
+        while len(groups) < tc.groups_per_step:
+            row = rng.choice(task.rows)
+            prompt, seed = task.renderer.render(row), seed + 1
+            comps = sampler.sample(
+                prompt,
+                n=p.group_size,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                max_new_tokens=p.max_new_tokens,
+                seed=seed,
+            )
+            samples = [
+                Sample.build(
+                    prompt_ids=prompt,
+                    completion_ids=c.token_ids,
+                    logprobs=c.logprobs,
+                    reward=score(task.reward_fn, row, task.renderer.decode(c.token_ids), c),
+                    finish_reason=c.finish_reason,
+                    version=version,
+                )
+                for c in comps
+                if c.token_ids
+            ]
+            group = TrajectoryGroup(
+                group_id=str(seed),
+                row=0,
+                epoch=0,
+                producer_id="bare",
+                samples=samples,
+                policy_version=version,
+                created_at=0.0,
+            )
+            if (verdict := keep(group, version=version)).accepted:
+                groups.append(verdict.group)
+        learner.train_step(collate(groups, std_normalize=tc.std_normalize, std_floor=tc.std_floor))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=100, help="policy versions (train steps) per side")
+    ap.add_argument("--producers", type=int, default=2, help="producers of the system side (up's default)")
+    ap.add_argument("--quick", action="store_true", help="10 steps")
+    ap.add_argument("--bare-child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.bare_child is not None:
+        return bare_child(args.bare_child)
+    if args.quick:
+        args.steps = 10
+    with tempfile.TemporaryDirectory(prefix="streamer-cpu-") as tmp:
+        bare = bare_side(args.steps)
+        system = system_side(args.steps, args.producers, Path(tmp))
+    rows = []
+    for name, side in (("system (streamer up)", system), ("bare in-process loop", bare)):
+        per = side["cpu"] / side["versions"]
+        rows.append([name, side["versions"], side["cpu"], per, side["wall"]])
+    C.print_table(["side", "versions", "CPU s", "CPU s / version", "wall s"], rows)
+    total = sum(system["roles"].values()) or 1.0
+    parts = sorted(system["roles"].items(), key=lambda kv: -kv[1])
+    print("system CPU by process role (from /proc, every 0.25 s):")
+    C.print_table(
+        ["role", "CPU s", "share", "CPU s / version"],
+        [[r, s, f"{s / total:.0%}", s / system["versions"]] for r, s in parts],
+    )
+    ratio = (system["cpu"] / system["versions"]) / (bare["cpu"] / bare["versions"])
+    name = "cpu_per_version_system_vs_bare"
+    C.print_ratios({name: ratio}, goals={name: f"goal <= {GOAL:g}: {'met' if ratio <= GOAL else 'NOT met'}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

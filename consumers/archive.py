@@ -1,0 +1,215 @@
+"""`streamer archive`: every rollout group as readable text, kept on disk for people.
+
+The trainer trims trajectories once a checkpoint covers them, and they hold only token
+ids; debugging a reward function starts from what the model wrote. The archiver is one
+more consumer group (``archive``) on the trajectory stream. For each group it writes one
+JSON line — the decoded prompt and completions, rewards, group advantages, the version
+that sampled each completion, the producer, and the verdict the trainer's filters would
+give now (``accepted`` or the reject reason) — to gzip files under
+``{run_dir}/archive/``: ``rollouts-000001.jsonl.gz``, a new file past
+``archive.file_bytes``, the oldest deleted past ``archive.max_bytes``. Each batch is
+flushed before it is acknowledged, so `streamer samples --follow` sees it at once.
+
+It never holds training back: the trainer's trimming (:func:`streamer.bus.trim_acked`)
+lets this group fall at most ``archive.max_lag`` entries behind, then trims past it (the
+entries it never read are counted as skipped when it notices). If the disk is full or
+the directory unwritable, it logs one line, stops writing, and from then on acknowledges
+what it reads (pending entries first) as skipped, counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from consumers.batch import advantages_of
+from consumers.filters import GroupFilter
+from schemas import TrajectoryGroup
+from streamer import models
+from streamer.bus import TRANSIENT, Consumer, Delivery, connect, retrying
+from streamer.config import RunConfig
+from streamer.keys import ARCHIVE_GROUP, Keys
+
+log = logging.getLogger(__name__)
+
+CONSUMER_NAME = "archiver"
+PATTERN = "rollouts-*.jsonl.gz"
+
+
+def archive_dir(cfg: RunConfig) -> Path:
+    return cfg.run_dir / "archive"
+
+
+def record(entry_id: str, group: TrajectoryGroup, *, decode_text, verdict: str, advantages) -> dict:
+    """One group as a JSON-able dict of text and numbers."""
+    first = group.samples[0]
+    return {
+        "id": entry_id,
+        "group_id": group.group_id,
+        "row": group.row,
+        "epoch": group.epoch,
+        "producer": group.producer_id,
+        "policy_version": group.policy_version,
+        "created_at": group.created_at,
+        "published_at": group.published_at,
+        "verdict": verdict,
+        "prompt": decode_text(first.token_ids()[: first.prompt_len].tolist()),
+        "completions": [
+            {
+                "text": decode_text(s.completion_ids().tolist()),
+                "reward": s.reward,
+                "advantage": round(float(a), 6),
+                "version": s.version,
+                "finish_reason": s.finish_reason,
+                "tokens": s.completion_len,
+            }
+            for s, a in zip(group.samples, advantages)
+        ],
+    }
+
+
+class RotatingWriter:
+    """gzip JSONL files in one directory: rotate past ``file_bytes``, keep ``max_bytes``."""
+
+    def __init__(self, directory: Path, *, file_bytes: int, max_bytes: int):
+        self.dir, self.file_bytes, self.max_bytes = Path(directory), file_bytes, max_bytes
+        self.dir.mkdir(parents=True, exist_ok=True)
+        existing = sorted(self.dir.glob(PATTERN))
+        self.index = int(existing[-1].name.split("-")[1].split(".")[0]) if existing else 0
+        self._gz: gzip.GzipFile | None = None
+        self._path: Path | None = None
+
+    def write(self, lines: list[str]) -> None:
+        if self._gz is None:
+            self.index += 1
+            self._path = self.dir / f"rollouts-{self.index:06d}.jsonl.gz"
+            self._gz = gzip.GzipFile(self._path, mode="ab")  # closed on rotation / close()
+        self._gz.write("".join(line + "\n" for line in lines).encode())
+        self._gz.flush()  # a sync flush: readers see every line written so far
+        if self._path.stat().st_size >= self.file_bytes:
+            self.close()
+            self._prune()
+
+    def _prune(self) -> None:
+        files = sorted(self.dir.glob(PATTERN))
+        sizes = {f: f.stat().st_size for f in files}
+        while len(files) > 1 and sum(sizes[f] for f in files) > self.max_bytes:
+            files.pop(0).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._gz is not None:
+            try:
+                self._gz.close()
+            finally:
+                self._gz = None
+
+
+class Archiver:
+    def __init__(self, cfg: RunConfig, *, client=None, tokenizer=None):
+        self.cfg, self.keys = cfg, Keys(cfg.run.name)
+        self.client = client or connect(
+            cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name="streamer-archive"
+        )
+        self.tokenizer = tokenizer or models.load_tokenizer(cfg.model)
+        self.filter = GroupFilter.from_config(cfg.trainer)
+        self.consumer = Consumer(
+            self.client,
+            self.keys,
+            self.keys.traj,
+            ARCHIVE_GROUP,
+            CONSUMER_NAME,
+            as_type=TrajectoryGroup,
+            cfg=cfg.bus,
+        )
+        self.writer: RotatingWriter | None = None
+        self.archived = self.skipped = 0
+        self.broken: str | None = None  # why archiving stopped (disk full, unwritable)
+
+    def step(self, block: float | None = None) -> int:
+        """Read one batch; archive it (or skip it once broken); ack it. Entries read."""
+        got = self.consumer.read(block=block)
+        if not got:
+            return 0
+        if self.broken is None:
+            try:
+                self._write(got)
+                self.archived += len(got)
+            except OSError as e:
+                self._break(e)
+        if self.broken is not None:
+            self.skipped += len(got)
+        self.consumer.ack(d.id for d in got)
+        return len(got)
+
+    def _write(self, got: list[Delivery[TrajectoryGroup]]) -> None:
+        if self.writer is None:
+            a = self.cfg.archive
+            self.writer = RotatingWriter(
+                archive_dir(self.cfg), file_bytes=a.file_bytes, max_bytes=a.max_bytes
+            )
+        version = int(self.client.get(self.keys.version) or 0)
+        tc = self.cfg.trainer
+        lines = []
+        for d in got:
+            verdict = self.filter(d.event, version=version)
+            adv = advantages_of(d.event, std_normalize=tc.std_normalize, std_floor=tc.std_floor)
+            rec = record(
+                d.id, d.event, decode_text=self._text, verdict=verdict.reason or "accepted", advantages=adv
+            )
+            lines.append(json.dumps(rec, ensure_ascii=False))
+        self.writer.write(lines)
+
+    def _text(self, ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+        except (ValueError, TypeError, IndexError, OverflowError) as e:  # ids the tokenizer lacks
+            return f"<undecodable: {e}>"
+
+    def _break(self, e: OSError) -> None:
+        self.broken = getattr(e, "strerror", None) or str(e)
+        log.error(
+            "cannot write the rollout archive in %s (%s): archiving stopped; entries are "
+            "acknowledged as skipped so training is never held back",
+            archive_dir(self.cfg),
+            self.broken,
+        )
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except OSError:
+                pass
+            self.writer = None
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            retrying(lambda: self.step(block=1.0), what="archiving rollouts")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except OSError as e:
+                log.warning("closing the archive file: %s", e)
+        log.info("archived %d groups, skipped %d", self.archived, self.skipped)
+
+
+def main(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """Archive until SIGTERM/SIGINT (exit 0)."""
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    archiver = Archiver(cfg)
+    try:
+        archiver.run(stop)
+    except TRANSIENT as e:
+        log.error("server unavailable: %s", e)
+        return 1
+    finally:
+        archiver.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 0

@@ -1,0 +1,89 @@
+"""The run's curves as a fold of metrics events, bounded whatever the run's length.
+
+:class:`History` is what `up`'s progress view prints and what `streamer plot` draws:
+rollout reward and eval accuracy against policy version, loss and staleness against train
+step. Each curve is a :class:`Curve` of (sum, count) per x bucket; past ``MAX_POINTS``
+buckets the bucket width doubles and neighbours merge, so a curve holds at most
+``MAX_POINTS`` points over any number of steps. It is a msgspec Struct: the exporter
+saves it inside its state snapshot (:mod:`consumers.saved_state`), so the metrics stream can
+be trimmed and the curves still cover the whole run.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas import MetricsEvent
+
+MAX_POINTS = 2048
+WINDOW = 32  # rollout groups in the moving mean of reward
+
+
+class Curve(msgspec.Struct, kw_only=True):
+    bucket: int = 1  # x width of one point
+    points: dict[int, tuple[float, int]] = msgspec.field(default_factory=dict)  # x -> (sum, n)
+
+    def add(self, x: int, y: float) -> None:
+        key = x - x % self.bucket
+        s, n = self.points.get(key, (0.0, 0))
+        self.points[key] = (s + y, n + 1)
+        if len(self.points) > MAX_POINTS:
+            self.bucket *= 2
+            merged: dict[int, tuple[float, int]] = {}
+            for k, (s, n) in self.points.items():
+                k -= k % self.bucket
+                s0, n0 = merged.get(k, (0.0, 0))
+                merged[k] = (s0 + s, n0 + n)
+            self.points = merged
+
+    def means(self) -> dict[int, float]:
+        return {x: s / n for x, (s, n) in sorted(self.points.items())}
+
+    def counts(self) -> dict[int, int]:
+        return {x: n for x, (_, n) in sorted(self.points.items())}
+
+
+class History(msgspec.Struct, kw_only=True):
+    train_step: int = 0
+    groups: int = 0
+    eval_step: int = -1
+    eval_accuracy: float | None = None
+    first_reward: float | None = None  # mean of the first WINDOW groups
+    recent_rewards: list[float] = msgspec.field(default_factory=list)  # the last WINDOW
+    reward_by_version: Curve = msgspec.field(default_factory=Curve)
+    eval_by_version: Curve = msgspec.field(default_factory=Curve)
+    loss_by_step: Curve = msgspec.field(default_factory=Curve)
+    staleness_by_step: Curve = msgspec.field(default_factory=Curve)
+
+    def apply(self, e: MetricsEvent) -> None:
+        v = e.values
+        if e.axis == "train":
+            self.train_step = max(self.train_step, e.step)
+            if (loss := v.get("loss")) is not None:
+                self.loss_by_step.add(e.step, loss)
+            if (lag := v.get("staleness_mean")) is not None:
+                self.staleness_by_step.add(e.step, lag)
+        elif e.axis == "rollout":
+            self.groups += int(v.get("groups", 1))
+            if (r := v.get("reward_mean")) is not None:
+                self.recent_rewards = [*self.recent_rewards[-(WINDOW - 1) :], r]
+                if len(self.recent_rewards) == WINDOW and self.first_reward is None:
+                    self.first_reward = self.reward()
+                self.reward_by_version.add(int(v.get("policy_version", -1)), r)
+        elif e.axis == "eval":
+            if (acc := v.get("accuracy")) is not None:
+                self.eval_by_version.add(e.step, acc)
+            if e.step >= self.eval_step:
+                self.eval_step, self.eval_accuracy = e.step, acc
+
+    def reward(self) -> float | None:
+        r = self.recent_rewards
+        return sum(r) / len(r) if r else None
+
+
+encode = msgspec.msgpack.Encoder().encode
+_decoder = msgspec.msgpack.Decoder(History)
+
+
+def decode(data: bytes) -> History:
+    return _decoder.decode(data)

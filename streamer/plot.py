@@ -1,0 +1,107 @@
+"""`streamer plot`: one PNG of a run — did it learn, and how did the loop behave.
+
+Three panels, each on its own step axis: rollout reward and eval accuracy against policy
+version; loss against train step; staleness (mean version lag of a step's groups)
+against train step. The data is the run's :class:`~consumers.history.History`: the
+exporter's snapshot plus the metrics stream after it (the stream itself is trimmed), or
+`up`'s progress view, which holds the same fold, when `up` finishes.
+
+matplotlib is an optional extra (``pip install 'streamer[plot]'``): it is for people
+looking at a run, not for the processes that run it. Without it `streamer plot` says so
+(exit 1) and `up` skips the picture with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from consumers import saved_state
+from consumers.history import History
+from consumers.metrics_state import SeenIds
+from schemas import DecodeError, MetricsEvent, decode
+from streamer.bus import FIELD, connect, redact
+from streamer.config import RunConfig
+from streamer.keys import Keys
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1000
+
+
+def load_history(client, keys: Keys) -> History | None:
+    """The exporter's snapshot plus the stream after it; None when the run has neither."""
+    snap = saved_state.load(client, keys.metrics_snapshot)
+    history = snap.history if snap else History()
+    seen = SeenIds(ids=snap.seen if snap else ())
+    after, found = (f"({snap.last_id}" if snap else "-"), snap is not None
+    while rows := client.xrange(keys.metrics, min=after, count=CHUNK):
+        found = True
+        for _, fields in rows:
+            try:
+                event = decode(fields.get(FIELD, b""), MetricsEvent)
+            except DecodeError:
+                continue
+            if seen.add(event.id):
+                history.apply(event)
+        after = f"({rows[-1][0].decode()}"
+    return history if found else None
+
+
+def draw(history: History, path: Path, *, title: str) -> Path:
+    """Write the three panels to ``path`` (PNG); ImportError without matplotlib."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+
+    fig = Figure(figsize=(13, 3.8), layout="constrained")
+    ax_v, ax_loss, ax_lag = fig.subplots(1, 3)
+    reward, acc = history.reward_by_version.means(), history.eval_by_version.means()
+    ax_v.plot(list(reward), list(reward.values()), ".-", ms=3, label="rollout reward (mean)")
+    ax_v.plot(list(acc), list(acc.values()), "o-", ms=4, label="eval accuracy")
+    ax_v.set(xlabel="policy version", title="reward and accuracy")
+    ax_v.legend(loc="lower right")
+    for ax, curve, name in (
+        (ax_loss, history.loss_by_step, "loss"),
+        (ax_lag, history.staleness_by_step, "staleness (versions)"),
+    ):
+        pts = curve.means()
+        ax.plot(list(pts), list(pts.values()), "-", lw=1)
+        ax.set(xlabel="train step", title=name)
+    for ax in (ax_v, ax_loss, ax_lag):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def save_quietly(history: History, path: Path, *, title: str) -> Path | None:
+    """`up`'s picture at the end: never fails the run (no matplotlib, no disk: one line)."""
+    try:
+        return draw(history, path, title=title)
+    except ImportError:
+        print("streamer up: no picture of the run (pip install 'streamer[plot]' for matplotlib)")
+    except (OSError, ValueError) as e:
+        print(f"streamer up: could not draw the run's picture: {e}")
+    return None
+
+
+def main(cfg: RunConfig, args: argparse.Namespace) -> int:
+    keys = Keys(cfg.run.name)
+    client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout)
+    history = load_history(client, keys)
+    if history is None:
+        print(
+            f"streamer plot: no metrics for run {cfg.run.name!r} on {redact(cfg.run.redis_url)}",
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out) if args.out else cfg.run_dir / "run.png"
+    try:
+        draw(history, out, title=f"run {cfg.run.name}: {history.train_step} steps, {history.groups} groups")
+    except ImportError:
+        print("streamer plot: needs matplotlib (pip install 'streamer[plot]')", file=sys.stderr)
+        return 1
+    print(out)
+    return 0

@@ -1,0 +1,139 @@
+"""`streamer samples` and `streamer dead`: what the model wrote, and what nobody could use.
+
+``samples`` reads the rollout archive (:mod:`consumers.archive`) of a run from disk and
+prints recent groups as text: prompt, then each completion with its reward, advantage and
+version. ``--min-reward R`` keeps completions with reward >= R; ``--follow`` keeps printing
+groups as the archiver writes them. ``dead`` lists the run's dead letters with their
+reasons, and ``--replay ID`` re-publishes one to the stream it came from (after a fix).
+A run that does not exist is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+import zlib
+from datetime import datetime
+from pathlib import Path
+
+from consumers.archive import PATTERN, archive_dir
+from schemas import DeadLetter, DecodeError, decode
+from streamer.bus import FIELD, connect, redact
+from streamer.config import RunConfig
+from streamer.keys import Keys
+
+FOLLOW_POLL = 1.0
+
+
+def read_lines(path: Path, skip: int = 0) -> list[str]:
+    """The complete lines of a gzip file that may still be being written."""
+    out = []
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if i >= skip and line.endswith("\n"):
+                    out.append(line)
+    except (EOFError, zlib.error, OSError):
+        pass  # the file's end is not written yet (or it was rotated away): what we have
+    return out
+
+
+def format_group(rec: dict, *, min_reward: float | None = None) -> str | None:
+    comps = [c for c in rec["completions"] if min_reward is None or c["reward"] >= min_reward]
+    if not comps:
+        return None
+    head = (
+        f"== {rec['id']}  row {rec['row']}  producer {rec['producer']}  version {rec['policy_version']}  "
+        f"{rec['verdict']}  {datetime.fromtimestamp(rec['published_at']).strftime('%H:%M:%S')}"
+    )
+    lines = [head, f"prompt: {rec['prompt']!r}"]
+    for c in comps:
+        lines.append(
+            f"  reward {c['reward']:+.3f}  adv {c['advantage']:+.3f}  v{c['version']}  "
+            f"{c['finish_reason']:<6} {c['text']!r}"
+        )
+    return "\n".join(lines)
+
+
+def samples_main(cfg: RunConfig, args: argparse.Namespace) -> int:
+    directory = archive_dir(cfg)
+    files = sorted(directory.glob(PATTERN)) if directory.is_dir() else []
+    if not files:
+        print(
+            f"streamer samples: no rollout archive for run {cfg.run.name!r} in {directory} "
+            "(check --run / --data-dir, or is the archiver running?)",
+            file=sys.stderr,
+        )
+        return 2
+    recent: list[str] = []
+    for f in reversed(files):  # newest first, until enough
+        recent = read_lines(f) + recent
+        if len(recent) >= args.last:
+            break
+    for line in recent[-args.last :]:
+        _print(line, args.min_reward)
+    if not args.follow:
+        return 0
+    seen = {files[-1]: len(read_lines(files[-1]))}
+    try:
+        while True:
+            time.sleep(FOLLOW_POLL)
+            for f in sorted(directory.glob(PATTERN)):
+                if f >= files[-1]:
+                    new = read_lines(f, skip=seen.get(f, 0))
+                    seen[f] = seen.get(f, 0) + len(new)
+                    for line in new:
+                        _print(line, args.min_reward)
+            files = sorted(directory.glob(PATTERN)) or files
+    except KeyboardInterrupt:
+        return 0
+
+
+def _print(line: str, min_reward: float | None) -> None:
+    try:
+        text = format_group(json.loads(line), min_reward=min_reward)
+    except (ValueError, KeyError, TypeError):
+        return
+    if text:
+        print(text, flush=True)
+
+
+def dead_main(cfg: RunConfig, args: argparse.Namespace) -> int:
+    keys = Keys(cfg.run.name)
+    client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout)
+    if not client.exists(keys.traj, keys.policy, keys.metrics, keys.dead, keys.version):
+        print(f"streamer dead: no run {cfg.run.name!r} on {redact(cfg.run.redis_url)}", file=sys.stderr)
+        return 2
+    if args.replay:
+        return _replay(client, keys, args.replay)
+    rows = client.xrevrange(keys.dead, count=args.last)
+    print(f"{client.xlen(keys.dead)} dead letters in {keys.dead}; newest {len(rows)}:")
+    for raw_id, fields in reversed(rows):
+        entry_id = raw_id.decode()
+        try:
+            d = decode(fields.get(FIELD, b""), DeadLetter)
+        except DecodeError as e:
+            print(f"{entry_id}  (undecodable dead letter: {e.reason})")
+            continue
+        when = datetime.fromtimestamp(d.at).strftime("%Y-%m-%d %H:%M:%S")
+        print(
+            f"{entry_id}  {when}  {d.stream} {d.entry_id}  by {d.consumer or '?'}  {len(d.raw)} bytes\n  {d.reason}"
+        )
+    return 0
+
+
+def _replay(client, keys: Keys, dead_id: str) -> int:
+    rows = client.xrange(keys.dead, min=dead_id, max=dead_id)
+    if not rows:
+        print(f"streamer dead: no dead letter {dead_id!r} in {keys.dead}", file=sys.stderr)
+        return 2
+    d = decode(rows[0][1][FIELD], DeadLetter)
+    if not d.stream.startswith(keys.prefix + ":"):
+        print(f"streamer dead: {dead_id} came from {d.stream!r}, not a stream of this run", file=sys.stderr)
+        return 2
+    new_id = client.xadd(d.stream, {FIELD: d.raw}).decode()
+    print(f"re-published dead letter {dead_id} to {d.stream} as {new_id}")
+    return 0

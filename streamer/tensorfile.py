@@ -1,0 +1,154 @@
+"""safetensors files written with their sha256 in one pass, and loaded with one copy.
+
+The format (https://huggingface.co/docs/safetensors) is an 8-byte little-endian header
+length, a JSON header ``{name: {dtype, shape, data_offsets}}`` padded to 8 bytes, then the
+raw tensor bytes. Writing it here rather than through ``save_pretrained`` lets the writer
+hash each tensor's bytes on a second thread while the first writes them (hashlib and file
+writes both release the GIL), instead of reading the file back to hash it afterwards.
+Loading maps the file and copies each tensor straight into the model's parameter
+(``load_file`` + ``load_state_dict`` copy every byte twice). The reader checks the header
+(known dtypes, offsets inside the file, sizes that match the shapes) before touching data;
+it never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import queue
+import struct
+import threading
+from pathlib import Path
+
+import torch
+
+from streamer.errors import WeightsError
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100 * 1024 * 1024  # as safetensors itself
+CHUNK = 1 << 24  # bytes per write/hash piece: large enough for both to release the GIL
+
+
+def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None):
+    """Write ``tensors`` to ``path`` as safetensors; returns (sha256 hex, bytes written)."""
+    blobs, header, offset = [], {}, 0
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.dtype not in _NAMES:
+            raise WeightsError(f"tensor {name}: dtype {t.dtype} cannot be saved")
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        header[name] = {
+            "dtype": _NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        blobs.append(memoryview(raw).cast("B") if len(raw) else b"")
+        offset += len(raw)
+    if metadata:
+        header["__metadata__"] = metadata
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    pieces = [struct.pack("<Q", len(head)) + head]
+    for blob in blobs:
+        pieces += [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
+    return _write_hashing(path, pieces), 8 + len(head) + offset
+
+
+def _write_hashing(path: Path, pieces: list) -> str:
+    """Write ``pieces`` in order while a second thread hashes them; the sha256 hex."""
+    h, todo = hashlib.sha256(), queue.SimpleQueue()
+
+    def hasher() -> None:
+        while (piece := todo.get()) is not None:
+            h.update(piece)
+
+    thread = threading.Thread(target=hasher, name="weights-hash", daemon=True)
+    thread.start()
+    try:
+        with open(path, "wb") as f:
+            for piece in pieces:
+                todo.put(piece)
+                f.write(piece)
+    finally:
+        todo.put(None)
+        thread.join()
+    return h.hexdigest()
+
+
+def header(path: Path) -> tuple[dict, int]:
+    """The checked header of a safetensors file and where its data begins."""
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise WeightsError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(MAX_HEADER, size - 8):
+            raise WeightsError(f"{path}: header length {n} does not fit the file")
+        try:
+            head = json.loads(f.read(n))
+        except ValueError as e:
+            raise WeightsError(f"{path}: header is not JSON ({e})") from None
+    if not isinstance(head, dict):
+        raise WeightsError(f"{path}: header is not a JSON object")
+    head.pop("__metadata__", None)
+    data = size - 8 - n
+    for name, spec in head.items():
+        _check(path, name, spec, data)
+    return head, 8 + n
+
+
+def _check(path: Path, name: str, spec, data_bytes: int) -> None:
+    try:
+        dtype = DTYPES[spec["dtype"]]
+        begin, end = (int(x) for x in spec["data_offsets"])
+        count = 1
+        for d in spec["shape"]:
+            count *= int(d)
+    except (KeyError, TypeError, ValueError):
+        raise WeightsError(f"{path}: tensor {name!r} has a malformed header entry") from None
+    if not 0 <= begin <= end <= data_bytes or end - begin != count * dtype.itemsize:
+        raise WeightsError(f"{path}: tensor {name!r} has offsets that do not match its shape or the file")
+
+
+def load_into(params: dict[str, torch.Tensor], path: Path) -> set[str]:
+    """Copy every tensor of the file into ``params[name]`` in place; the names it held.
+
+    Raises WeightsError (before changing anything) for a name not in ``params`` or a shape
+    or dtype that differs.
+    """
+    head, start = header(path)
+    for name, spec in head.items():
+        target = params.get(name)
+        if target is None:
+            raise WeightsError(f"{path}: tensor {name!r} is not a parameter of the model")
+        if list(target.shape) != list(spec["shape"]) or target.dtype != DTYPES[spec["dtype"]]:
+            raise WeightsError(
+                f"{path}: tensor {name!r} is {spec['dtype']}{spec['shape']}, the model's "
+                f"{target.dtype}{list(target.shape)}"
+            )
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm, torch.no_grad():
+        for name, spec in head.items():
+            begin, end = spec["data_offsets"]
+            if end > begin:
+                _copy(params[name], mm, DTYPES[spec["dtype"]], start + begin, end - begin)
+    return set(head)
+
+
+def _copy(target: torch.Tensor, mm: mmap.mmap, dtype: torch.dtype, offset: int, nbytes: int) -> None:
+    # the view must be gone before the map closes (an exported buffer cannot be unmapped)
+    src = torch.frombuffer(mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+    target.copy_(src.view(target.shape))

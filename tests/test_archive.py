@@ -1,0 +1,142 @@
+"""The rollout archive: every group as text on disk, `streamer samples` / `streamer dead`,
+bounded trimming lag, and a broken disk that stops archiving without holding anything."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import subprocess
+
+import pytest
+from trainer_data import make_group, publish
+
+from consumers.archive import Archiver, RotatingWriter, archive_dir
+from schemas import DeadLetter, encode
+from streamer import cli, demo
+from streamer.bus import FIELD, trim_acked
+from streamer.config import RunConfig, replace
+from streamer.keys import ARCHIVE_GROUP, TRAINER_GROUP
+
+
+def _cfg(keys, redis_url, tmp_path, **archive) -> RunConfig:
+    return replace(
+        RunConfig(),
+        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path / "data")},
+        archive=archive,
+    )
+
+
+def _args(cfg, *extra: str) -> list[str]:
+    return ["--run", cfg.run.name, "--data-dir", cfg.run.data_dir, "--redis-url", cfg.run.redis_url, *extra]
+
+
+def test_every_group_is_archived_as_text_and_samples_prints_it(client, keys, redis_url, tmp_path, capsys):
+    cfg = _cfg(keys, redis_url, tmp_path)
+    rng = random.Random(0)
+    groups = [make_group(rng, rewards=(1.0, 0.0), row=i) for i in range(5)]
+    groups.append(make_group(rng, rewards=(1.0, 1.0), row=5))  # zero variance: rejected
+    ids = publish(client, keys.traj, groups)
+    archiver = Archiver(cfg, client=client, tokenizer=demo.tokenizer())
+    while archiver.step(block=0.1):
+        pass
+    archiver.close()
+    assert archiver.archived == 6 and archiver.skipped == 0
+    assert cli.main(["samples", *_args(cfg, "--last", "2")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("== ") == 2 and ids[-1] in out and ids[0] not in out
+    assert "zero_variance" in out and "accepted" in out
+    prompt = demo.tokenizer().decode(
+        groups[-1].samples[0].token_ids()[: groups[-1].samples[0].prompt_len].tolist()
+    )
+    assert repr(prompt) in out and "adv +" in out
+    assert cli.main(["samples", *_args(cfg, "--last", "10", "--min-reward", "0.5")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("== ") == 6 and "reward +0.000" not in out
+    info = {g["name"].decode(): g for g in client.xinfo_groups(keys.traj)}
+    assert info[ARCHIVE_GROUP]["pending"] == 0
+
+
+def test_samples_and_dead_on_a_run_that_does_not_exist_say_so_and_exit_2(redis_url, tmp_path, capsys):
+    args = ["--run", "no-such-run", "--data-dir", str(tmp_path), "--redis-url", redis_url]
+    assert cli.main(["samples", *args]) == 2
+    assert cli.main(["dead", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "no rollout archive" in err[0] and "no run 'no-such-run'" in err[1]
+
+
+def test_dead_lists_reasons_and_replays_one(client, keys, redis_url, tmp_path, capsys):
+    cfg = _cfg(keys, redis_url, tmp_path)
+    raw = encode(make_group(random.Random(1)))
+    letter = DeadLetter(
+        stream=keys.traj, entry_id="1-0", raw=raw, reason="a reward bug", consumer="trainer/t"
+    )
+    dead_id = client.xadd(keys.dead, {FIELD: encode(letter)}).decode()
+    assert cli.main(["dead", *_args(cfg)]) == 0
+    assert "a reward bug" in capsys.readouterr().out
+    assert cli.main(["dead", *_args(cfg, "--replay", dead_id)]) == 0
+    assert client.xrange(keys.traj)[-1][1][FIELD] == raw
+    assert cli.main(["dead", *_args(cfg, "--replay", "9-9")]) == 2
+
+
+def test_trimming_passes_an_archiver_that_lags_more_than_max_lag(client, keys):
+    ids = publish(client, keys.traj, [make_group(random.Random(i)) for i in range(30)])
+    client.xgroup_create(keys.traj, TRAINER_GROUP, id=ids[-1])  # the trainer has all 30
+    client.xgroup_create(keys.traj, ARCHIVE_GROUP, id="0")  # the archiver has read nothing
+    assert trim_acked(client, keys.traj) == 0  # without a bound it holds everything
+    assert trim_acked(client, keys.traj, max_lag={ARCHIVE_GROUP: 10}) == 20
+    assert client.xlen(keys.traj) == 10
+
+
+def test_rotation_keeps_the_archive_under_max_bytes(tmp_path):
+    w = RotatingWriter(tmp_path, file_bytes=2_000, max_bytes=10_000)
+    rng = random.Random(0)
+    for _ in range(200):
+        w.write(["".join(rng.choice("abcdefgh") for _ in range(300))])
+    w.close()
+    files = sorted(tmp_path.glob("rollouts-*.jsonl.gz"))
+    assert len(files) > 2 and sum(f.stat().st_size for f in files) <= 10_000 + 2_500
+
+
+def _fill(path) -> None:
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while f.write(b"\0" * 4096):
+                pass
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+
+
+@pytest.mark.parametrize("broken", ["unwritable", "full"])
+def test_a_broken_archive_disk_stops_archiving_and_skips_without_holding_entries(
+    broken, client, keys, redis_url, tmp_path, caplog
+):
+    data = tmp_path / "data"
+    if broken == "full":
+        data.mkdir()
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(data)], capture_output=True
+        )
+        if r.returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        cfg = _cfg(keys, redis_url, tmp_path)
+        if broken == "unwritable":
+            archive_dir(cfg).parent.mkdir(parents=True)
+            archive_dir(cfg).write_text("a file where the directory should be")
+        else:
+            archive_dir(cfg).mkdir(parents=True)
+            _fill(data / "filler")
+        publish(client, keys.traj, [make_group(random.Random(i)) for i in range(40)])
+        archiver = Archiver(cfg, client=client, tokenizer=demo.tokenizer())
+        with caplog.at_level(logging.ERROR, logger="consumers.archive"):
+            while archiver.step(block=0.1):
+                pass
+        lines = [r for r in caplog.records if "archiving stopped" in r.getMessage()]
+        assert len(lines) == 1, caplog.text
+        assert archiver.archived + archiver.skipped == 40 and archiver.skipped > 0
+        info = {g["name"].decode(): g for g in client.xinfo_groups(keys.traj)}
+        assert info[ARCHIVE_GROUP]["pending"] == 0 and info[ARCHIVE_GROUP]["lag"] == 0
+    finally:
+        if broken == "full":
+            subprocess.run(["umount", "-l", str(data)], check=False)
