@@ -52,10 +52,11 @@ def test_only_the_adapter_trains():
 def test_published_adapter_is_peft_layout_and_samplers_apply_it(tmp_path):
     learner = _learner()
     learner.train_step(_batch(demo.build_model(0)))
-    weights.write_version(learner.publishable, tmp_path, 1)
+    _, sha = weights.write_version(learner.publishable, tmp_path, 1)
     vdir = weights.version_dir(tmp_path, 1)
     names = sorted(p.name for p in vdir.iterdir())
-    assert names == ["adapter_config.json", "adapter_model.safetensors"]
+    assert names == ["adapter_config.json", "adapter_model.safetensors", weights.MANIFEST]  # PEFT layout
+    assert weights.check_manifest(vdir, sha)  # producers verify an adapter like full weights
     full = sum(p.numel() * 4 for p in demo.build_model(0).parameters())
     assert (vdir / "adapter_model.safetensors").stat().st_size < full / 4  # a tiny model: small gain
 
