@@ -23,7 +23,7 @@ import time
 
 import redis
 
-from producers.components import Task, load_task, local_sampler
+from producers.components import load_task, local_sampler
 from producers.dataset import DatasetError
 from producers.follow import WeightFollower
 from producers.rewards import score
@@ -32,6 +32,7 @@ from streamer import models
 from streamer.bus import Publisher, connect, retrying
 from streamer.config import RunConfig
 from streamer.keys import Keys
+from streamer.rollout_types import Task
 
 log = logging.getLogger(__name__)
 

@@ -57,6 +57,7 @@ class RemoteSampler:
         self.model, self.stop_ids = model, list(stop_ids)
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.reload_endpoint = reload_endpoint
+        self.max_parallel = concurrency  # engine calls a producer may have in flight at once
         self._slots = threading.BoundedSemaphore(concurrency)
         self._http = httpx.Client(
             base_url=self.base_url,
