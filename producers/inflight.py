@@ -1,9 +1,14 @@
 """Helpers for many rollouts in flight in one producer (anyio).
 
-- :class:`WeightGate`: engine calls share the sampler; loading new weights waits until
-  no call is in flight and holds new ones back meanwhile (writer first), so every
-  completion is stamped with the version that really sampled it, and a multi-turn
-  episode can see a new version between two turns but never inside one.
+- :class:`WeightGate`: engine calls share the sampler. For an in-process model
+  (``exclusive``), loading new weights waits until no call is in flight and holds new
+  ones back meanwhile (writer first), so every completion is stamped with the version
+  that really sampled it, and a multi-turn episode can see a new version between two
+  turns but never inside one. For a server, waiting for every request in flight would
+  make each new version wait for the slowest episode (the synchronous barrier async
+  training removes), so loads only exclude each other and a completion is stamped with
+  the version loaded when its request started: the older one if the server switched
+  mid-request, which errs on the stale side for admission and the staleness window.
 - :func:`blocking`: run a blocking call (Redis, a local model, httpx) in a worker thread;
   cancelling the caller (a rollout timeout) abandons the thread's result instead of
   waiting for it.
@@ -27,7 +32,8 @@ log = logging.getLogger(__name__)
 class WeightGate:
     """A readers-writer gate: many sample calls, or one weight load."""
 
-    def __init__(self):
+    def __init__(self, *, exclusive: bool = True):
+        self.exclusive = exclusive
         self._cond = anyio.Condition()
         self._readers = 0
         self._writing = False
@@ -35,7 +41,7 @@ class WeightGate:
     @asynccontextmanager
     async def reading(self) -> AsyncIterator[None]:
         async with self._cond:
-            while self._writing:
+            while self._writing and self.exclusive:
                 await self._cond.wait()
             self._readers += 1
         try:
@@ -53,7 +59,7 @@ class WeightGate:
                 await self._cond.wait()
             self._writing = True  # from here new readers wait
             try:
-                while self._readers:
+                while self._readers and self.exclusive:
                     await self._cond.wait()
             except BaseException:
                 self._writing = False

@@ -132,7 +132,7 @@ class Producer:
 
     def _setup(self) -> None:
         """Per event loop: the weight gate and the thread limiters."""
-        self._gate = WeightGate()
+        self._gate = WeightGate(exclusive=getattr(self.sampler, "max_parallel", 1) == 1)
         self._redis_limiter = anyio.CapacityLimiter(self.p.concurrency + 2)
         self._sample_limiter = anyio.CapacityLimiter(getattr(self.sampler, "max_parallel", 1))
 
