@@ -40,6 +40,7 @@ from producers.samplers import SamplerError
 from producers.stats import Pending, Timings, episode_values, group_values
 from schemas import MetricsEvent, TrajectoryGroup, encode
 from streamer.admission import Admission, LeaseLost
+from streamer.batching import MicroBatcher
 from streamer.bus import Publisher, connect, unacked
 from streamer.config import RunConfig
 from streamer.keys import Keys
@@ -135,6 +136,8 @@ class Producer:
         self._gate = WeightGate(exclusive=getattr(self.sampler, "max_parallel", 1) == 1)
         self._redis_limiter = anyio.CapacityLimiter(self.p.concurrency + 2)
         self._sample_limiter = anyio.CapacityLimiter(getattr(self.sampler, "max_parallel", 1))
+        local = getattr(self.sampler, "max_parallel", 1) == 1 and hasattr(self.sampler, "sample_many")
+        self._batcher = MicroBatcher(self._sample_batch) if local else None
 
     async def _worker(self) -> None:
         while not self.stop.is_set():
@@ -282,7 +285,10 @@ class Producer:
     async def _sample(self, prompt_ids: list[int], **kwargs) -> list[Completion]:
         """The rollout's engine call: in a thread, stamped with the version that sampled it.
 
-        A newer policy is loaded first, so the turns of one episode may differ in version."""
+        A newer policy is loaded first, so the turns of one episode may differ in version.
+        Calls on an in-process model are batched with the other episodes' (MicroBatcher)."""
+        if self._batcher is not None:
+            return await self._batcher.sample(prompt_ids, **kwargs)
         await self._follow_weights()
         async with self._gate.reading():
             version = self.follower.version
@@ -290,6 +296,14 @@ class Producer:
                 self.sampler.sample, prompt_ids, limiter=self._sample_limiter, **kwargs
             )
         return [dataclasses.replace(c, version=version) for c in completions]
+
+    async def _sample_batch(self, prompts: list[list[int]], **kwargs) -> list[list[Completion]]:
+        """One batched generate of an in-process model, stamped with its version."""
+        await self._follow_weights()
+        async with self._gate.reading():
+            version = self.follower.version
+            out = await blocking(self.sampler.sample_many, prompts, limiter=self._sample_limiter, **kwargs)
+        return [[dataclasses.replace(c, version=version) for c in cs] for cs in out]
 
     async def _publish(self, ticket: int, group: TrajectoryGroup, *, failures, timings, extra) -> str:
         waited = await self._redis(self.publisher.wait_for_room, self.stop.is_set)

@@ -10,7 +10,6 @@ the episode never reaches the trainer.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 
@@ -19,12 +18,12 @@ import numpy as np
 from producers.rewards import score
 from schemas import Sample, Span
 from schemas.metric_names import EPISODE_DROP_REASONS
-from streamer.errors import ConfigError, StreamerError
-from streamer.rollout_types import Episode, Rollout, RolloutContext, Segment
+from streamer.errors import StreamerError
+from streamer.rollout_types import DEFAULT_ROLLOUT, Episode, Rollout, RolloutContext, Segment, load_rollout
 
 log = logging.getLogger(__name__)
 
-DEFAULT = "producers.rollout:single_turn"
+DEFAULT = DEFAULT_ROLLOUT
 # why an episode (or a whole rollout) was dropped: counted as rollout `episodes_dropped_{reason}`
 REASONS = EPISODE_DROP_REASONS
 
@@ -57,18 +56,8 @@ async def single_turn(row: dict, ctx: RolloutContext) -> list[Episode]:
 
 
 def load(path: str) -> Rollout:
-    """Import ``"package.module:function"`` (an async rollout); a ConfigError otherwise."""
-    module_name, sep, attr = (path or DEFAULT).partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f'rollout {path!r}: expected "module:function"')
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"rollout {path!r}: cannot import {module_name}: {e}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"rollout {path!r}: {module_name} has no function {attr!r}")
-    return fn
+    """The rollout at import path ``path`` ("" = :func:`single_turn`)."""
+    return load_rollout(path)
 
 
 def to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int = 0) -> Sample:

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     def role(name: str, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help)
         sp.add_argument("--config", help="TOML run config (default: the built-in demo)")
+        sp.add_argument("--task", help="a built-in task instead of a config: retry, tools")
         sp.add_argument("--redis-url", help="override run.redis_url")
         sp.add_argument("--run", help="override run.name")
         sp.add_argument("--data-dir", help="override run.data_dir")
@@ -65,7 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
-    cfg = load_config(getattr(args, "config", None))
+    task = getattr(args, "task", None)
+    if task and getattr(args, "config", None):
+        raise ConfigError("--task and --config exclude each other")
+    if task:
+        from streamer import tasks
+
+        cfg = tasks.config(task)
+    else:
+        cfg = load_config(getattr(args, "config", None))
     run = {
         k: v
         for k, v in (("redis_url", args.redis_url), ("name", args.run), ("data_dir", args.data_dir))

@@ -110,6 +110,8 @@ def _role_argv(cmd: str, cfg: RunConfig, args, *extra: str) -> list[str]:
     argv = [sys.executable, "-m", "streamer", "--log-level", args.log_level, cmd]
     if args.config:
         argv += ["--config", args.config]
+    if getattr(args, "task", None):
+        argv += ["--task", args.task]
     argv += ["--redis-url", cfg.run.redis_url, "--run", cfg.run.name, "--data-dir", cfg.run.data_dir]
     return argv + list(extra)
 
