@@ -15,7 +15,7 @@ from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from streamer import demo, weights
 from streamer.config import RunConfig, replace
 from streamer.errors import ConfigError
-from streamer.rollout_types import Episode, Segment, episodes
+from streamer.rollout_types import Completion, Episode, Segment, episodes
 from streamer.trajectory import Trajectory
 
 
@@ -172,3 +172,42 @@ def test_malformed_episodes_are_dropped_with_reasons_and_never_published(keys, r
     assert p.step() == "published"  # the good ones are enough for min_group_size
     (g,) = _groups(client, keys)
     assert len(g.samples) == 2
+
+
+def test_a_prefix_mismatch_is_counted_and_never_trained(keys, redis_url, tmp_path, client, caplog):
+    async def rerenders(row, ctx):
+        t = Trajectory(ctx.task.renderer.render(row))
+        (c,) = await ctx.sample(t.next_prompt())
+        t.extend(t.next_prompt(), c)
+        t.extend(ctx.task.renderer.render(row), c)  # the history re-rendered without turn 1
+        return [t.episode(1.0)]
+
+    p = _producer(_cfg(keys, redis_url, tmp_path), client, rollout=rerenders)
+    assert p.step() == "failed"
+    p._flush_metrics()
+    assert _counters(client, keys)["prefix_mismatches"] == 1 and client.xlen(keys.traj) == 0
+    assert "prompt diverges from the trajectory at token" in caplog.text
+
+
+def test_concurrent_engine_calls_on_a_local_model_are_batched():
+    from streamer.batching import MicroBatcher
+
+    calls = []
+
+    async def run_batch(prompts, **kw):
+        calls.append(len(prompts))
+        return [[Completion([p[0]], [-1.0], "stop")] for p in prompts]
+
+    batcher = MicroBatcher(run_batch)
+    got = {}
+
+    async def one(i):
+        got[i] = await batcher.sample([i], n=1, temperature=1.0, top_p=1.0, max_new_tokens=1)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, i)
+
+    anyio.run(main)
+    assert calls == [6] and all(got[i][0].token_ids == [i] for i in range(6))
