@@ -89,11 +89,11 @@ class Evaluator:
         scored = self._run_rollouts() if self.cfg.producer.rollout else self._greedy(version)
         if scored is None:
             return None
-        rewards, lengths = scored
+        rewards, lengths, successes = scored
         n = len(rewards)
         values = {
             "reward_mean": sum(rewards) / n,
-            "accuracy": sum(r > 0 for r in rewards) / n,
+            "accuracy": sum(successes) / n,
             "response_length_mean": sum(lengths) / n,
             "rows": float(n),
             "eval_seconds": time.monotonic() - start,
@@ -111,7 +111,7 @@ class Evaluator:
         )
         return version
 
-    def _greedy(self, version: int) -> tuple[list[float], list[int]] | None:
+    def _greedy(self, version: int) -> tuple[list[float], list[int], list[bool]] | None:
         """Single-turn: batched greedy completions of the rendered rows, then the reward."""
         rewards, lengths = [], []
         for lo in range(0, len(self.prompts), self.e.batch_size):
@@ -127,10 +127,11 @@ class Evaluator:
             for row, (completion,) in zip(self.rows[lo:], batch):
                 rewards.append(self._reward(row, completion))
                 lengths.append(len(completion.token_ids))
-        return rewards, lengths
+        return rewards, lengths, [r > 0 for r in rewards]
 
-    def _run_rollouts(self) -> tuple[list[float], list[int]]:
-        """The task's own rollout, one greedy episode per row (multi-turn, tools)."""
+    def _run_rollouts(self) -> tuple[list[float], list[int], list[bool]]:
+        """The task's own rollout, one greedy episode per row (multi-turn, tools); success is
+        the episode's ``metrics["success"]`` when it reports one, else reward > 0."""
         episodes = rollout_eval.evaluate(
             self.rows,
             task=self.task,
@@ -140,7 +141,8 @@ class Evaluator:
         )
         rewards = [e.reward if e is not None else 0.0 for e in episodes]
         lengths = [len(e.tokens) - len(e.segments[0].tokens) if e is not None else 0 for e in episodes]
-        return rewards, lengths
+        successes = [e is not None and e.metrics.get("success", float(e.reward > 0)) > 0 for e in episodes]
+        return rewards, lengths, successes
 
     def _reward(self, row: dict, completion) -> float:
         try:

@@ -10,12 +10,16 @@ and the chat specials, so the environment speaks in those.
   up to :data:`RETRY_ATTEMPTS` answers. Reward 1.0 / 0.6 / 0.3 for a right answer at
   attempt 1 / 2 / 3; success is a right answer at any attempt. Held out: the pairs with
   ``(3a + b) % 5 == 0`` are only in the eval split.
-- ``tools``: ``kk=`` asks for ``value(kk)``, a digit from a lookup table of two-digit
-  keys (a seeded hash: nothing in the prompt reveals it, and held-out keys were never
-  seen). The model calls the tool by answering ``=``; the tool's result comes back as a
-  ``system`` turn (weight 0: the model did not sample it), and the model answers with it.
-  Reward 1 for the right digit. Held out: keys 70-99 are only in the eval split, so only
-  calling the tool, not memorising the table, succeeds there.
+- ``tools``: ``kk=`` asks for the value of key ``kk`` in a lookup table that is drawn
+  afresh for every episode (a hash of the key and the episode's seed): nothing in the
+  prompt reveals it and memorising is useless (a first version with one fixed table was
+  memorised: 0.61 success on train keys, 0.03 on held-out ones, no tool calls). The model
+  calls the tool by answering ``=``; the tool's result comes back as a ``system`` turn
+  (weight 0: the model did not sample it), and the model answers with it. Reward 1 for the
+  right digit, 0 otherwise. (A shaping bonus for calling was tried and hurt: the episode's
+  one advantage also rewarded whatever digit followed the call, the answer collapsed to
+  one digit, every group had zero variance and learning stopped at "always call, always
+  wrong".) Held out: keys 70-99 are only in the eval split.
 """
 
 from __future__ import annotations
@@ -73,9 +77,9 @@ def rows(name: str, split: str = "train") -> list[dict]:
     raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}")
 
 
-def value(key: str) -> int:
-    """The lookup tool: a digit per key that nothing in the prompt reveals."""
-    return hashlib.sha256(f"streamer-lookup:{key}".encode()).digest()[0] % 10
+def value(key: str, table: int = 0) -> int:
+    """The lookup tool: the digit of ``key`` in table ``table`` (one per episode)."""
+    return hashlib.sha256(f"streamer-lookup:{table}:{key}".encode()).digest()[0] % 10
 
 
 def _answer(ctx: RolloutContext, c: Completion) -> str:
@@ -97,22 +101,22 @@ async def retry(row: dict, ctx: RolloutContext, index: int):
     for attempt in range(RETRY_ATTEMPTS):
         got = _answer(ctx, await _turn(t, ctx))
         if got == row["answer"]:
-            return t.episode(RETRY_REWARDS[attempt], attempts=attempt + 1.0)
+            return t.episode(RETRY_REWARDS[attempt], attempts=attempt + 1.0, success=1.0)
         if attempt + 1 < RETRY_ATTEMPTS:
             hint = "+" if not got.isdigit() or int(got) < target else "="
             t.append_messages(ctx.task.renderer, [{"role": "user", "content": hint}])
-    return t.episode(0.0, attempts=float(RETRY_ATTEMPTS))
+    return t.episode(0.0, attempts=float(RETRY_ATTEMPTS), success=0.0)
 
 
 @episodes
 async def tools(row: dict, ctx: RolloutContext, index: int):
     """Call the lookup tool (answer "="), read its result, answer with it."""
     t = Trajectory(ctx.task.renderer.render(row))
+    right = str(value(row["key"], table=ctx.seed))
     got, calls = _answer(ctx, await _turn(t, ctx)), 0
     if got == TOOL_CALL:
         calls = 1
-        result = str(value(row["key"]))
-        t.append_messages(ctx.task.renderer, [{"role": "system", "content": result}])
+        t.append_messages(ctx.task.renderer, [{"role": "system", "content": right}])
         got = _answer(ctx, await _turn(t, ctx))
-    right = str(value(row["key"]))
-    return t.episode(1.0 if got == right else 0.0, tool_calls=float(calls))
+    success = float(got == right)
+    return t.episode(success, tool_calls=float(calls), success=success)
