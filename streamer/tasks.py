@@ -16,10 +16,11 @@ and the chat specials, so the environment speaks in those.
   memorised: 0.61 success on train keys, 0.03 on held-out ones, no tool calls). The model
   calls the tool by answering ``=``; the tool's result comes back as a ``system`` turn
   (weight 0: the model did not sample it), and the model answers with it. Reward 1 for the
-  right digit, 0 otherwise. (A shaping bonus for calling was tried and hurt: the episode's
-  one advantage also rewarded whatever digit followed the call, the answer collapsed to
-  one digit, every group had zero variance and learning stopped at "always call, always
-  wrong".) Held out: keys 70-99 are only in the eval split.
+  right digit after a lookup, 0 otherwise: an answer without a lookup is not graded (a
+  lucky guess, right one time in ten, would otherwise outweigh the rare early lookups
+  and the policy collapses onto guessing one digit; a shaping bonus for calling was
+  tried too and collapsed the digit after the call instead). Held out: keys 70-99 are
+  only in the eval split.
 """
 
 from __future__ import annotations
@@ -118,5 +119,5 @@ async def tools(row: dict, ctx: RolloutContext, index: int):
         calls = 1
         t.append_messages(ctx.task.renderer, [{"role": "system", "content": right}])
         got = _answer(ctx, await _turn(t, ctx))
-    success = float(got == right)
+    success = float(calls == 1 and got == right)
     return t.episode(success, tool_calls=float(calls), success=success)

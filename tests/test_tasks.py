@@ -57,7 +57,7 @@ def test_the_tool_result_is_in_the_context_with_weight_0():
     assert sample.loss_mask()[start : start + len(tool[0].tokens)].sum() == 0, "tool tokens are trained"
     assert sample.loss_mask().sum() == 4  # "=" EOS and the digit EOS: only what the model sampled
     (wrong,) = anyio.run(tasks.tools, row, _ctx("tools", [v]))  # no call: a guess
-    assert wrong.metrics["tool_calls"] == 0 and wrong.reward == wrong.metrics["success"]
+    assert wrong.metrics["tool_calls"] == 0 and wrong.reward == 0.0, "an answer without a lookup"
     other = {tasks.value(row["key"], table=t) for t in range(50)}
     assert len(other) > 5, "each episode draws its own table: nothing to memorise"
 
