@@ -34,6 +34,7 @@ from producers import rollout as rollouts
 from producers.components import build
 from producers.dataset import Order
 from producers.follow import WeightFollower
+from producers.heartbeat import Heartbeat
 from producers.inflight import WeightGate, blocking, retrying
 from producers.leases import EXHAUSTED, WAIT, Leases
 from producers.samplers import SamplerError
@@ -96,7 +97,7 @@ class Producer:
         self._failures = 0
         self._row_failures: Counter[int] = Counter()
         self._gate: WeightGate | None = None
-        self._heartbeat = _Heartbeat(self, min(HEARTBEAT_SECONDS, self.p.lease_seconds / 3))
+        self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.p.lease_seconds / 3))
 
     @property
     def current(self) -> int | None:
@@ -389,39 +390,6 @@ class Producer:
 
     def close(self) -> None:
         self.sampler.close()
-
-
-class _Heartbeat(threading.Thread):
-    """ZADD ``…:producers`` {id: now} and renew the current lease every ``interval`` s."""
-
-    def __init__(self, producer: Producer, interval: float):
-        super().__init__(name=f"heartbeat-{producer.id}", daemon=True)
-        self.producer, self.interval = producer, interval
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        p = self.producer
-        while True:
-            try:
-                p.client.zadd(p.keys.producers, {p.id: time.time()})
-                for ticket in list(p.held):
-                    if not p.leases.renew(ticket):
-                        # usually the lease just ended (published); a real loss is logged where
-                        # it matters, when the group cannot be published
-                        log.debug("lease on ticket %d is no longer ours", ticket)
-            except redis.exceptions.RedisError as e:
-                log.warning("heartbeat failed: %s", e)
-            if self._done.wait(self.interval):
-                return
-
-    def close(self) -> None:
-        self._done.set()
-        if self.is_alive():
-            self.join(timeout=5.0)
-        try:
-            self.producer.client.zrem(self.producer.keys.producers, self.producer.id)
-        except redis.exceptions.RedisError as e:
-            log.warning("could not remove heartbeat: %s", e)
 
 
 def _first_leaf(e: BaseException) -> BaseException:
