@@ -23,6 +23,14 @@ alternate order between repeats; medians of the repeats are reported.
     python bench/async_speedup.py --quick         # smoke run
     python bench/async_speedup.py --producers 8 --steps 40 --repeats 5 --latency 0.02
 
+Long-tailed mode (``--long-tail``): each request's latency is drawn from a Pareto
+distribution (shape ``--tail-alpha``, scale ``--latency``; capped at 50x), as real
+generation lengths and tool calls are, and each producer keeps ``--concurrency`` rows in
+flight. A synchronous step waits for the slowest of its groups; an asynchronous one does
+not (goal: >= 2.5x; AReaL reports 2.77x)::
+
+    python bench/async_speedup.py --long-tail --latency 0.1 --producers 2 --concurrency 12
+
 Final line: ``ratios: async_vs_sync=...x`` (AReaL reports 2.77x at cluster scale).
 """
 
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import subprocess
 import sys
@@ -72,6 +81,19 @@ def demo_backend(*, logprob: float = -2.3):
     return backend
 
 
+def long_tailed(backend, *, scale: float, alpha: float, seed: int = 0, cap: float = 50.0):
+    """``backend`` after a Pareto(alpha)-distributed delay of at least ``scale`` seconds."""
+    rng, lock = random.Random(seed), threading.Lock()
+
+    def delayed(body: dict) -> list[Completion]:
+        with lock:
+            delay = scale * min(cap, rng.paretovariate(alpha))
+        time.sleep(delay)
+        return backend(body)
+
+    return delayed
+
+
 def write_config(
     path: Path, *, run: str, redis_url: str, sampler_url: str, staleness: int, args: argparse.Namespace
 ) -> Path:
@@ -84,6 +106,7 @@ def write_config(
         f'[producer]\nsampler = "remote"\nremote_url = "{sampler_url}"\n'
         f'group_size = {args.group_size}\nmax_new_tokens = 2\nreward = "streamer.demo:reward"\n'
         "shutdown_grace = 5.0\n"
+        f"concurrency = {args.concurrency}\nremote_concurrency = {max(8, args.concurrency)}\n"
     )
     return path
 
@@ -202,6 +225,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="of the trainer and producers (their log "
         "goes to a file in the temporary directory, printed when a run fails)",
     )
+    ap.add_argument("--concurrency", type=int, default=1, help="rows in flight per producer")
+    ap.add_argument("--long-tail", action="store_true", help="Pareto-distributed request latency")
+    ap.add_argument("--tail-alpha", type=float, default=1.5, help="Pareto shape of --long-tail")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     args = ap.parse_args(argv)
     if args.quick:
@@ -211,15 +237,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def backend_of(args) -> tuple:
+    """(backend, latency=...) of the fake server: fixed latency, or long-tailed."""
+    if args.long_tail:
+        return long_tailed(demo_backend(), scale=args.latency, alpha=args.tail_alpha), 0.0
+    return demo_backend(), args.latency
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     began = time.monotonic()
     results: dict[str, list[dict]] = {side: [] for side in SIDES}
     cleanups: list[threading.Thread] = []
+    backend, latency = backend_of(args)
     with (
         tempfile.TemporaryDirectory(prefix="streamer-async-") as tmp,
         C.server_url(args) as url,
-        FakeCompletionsServer(demo_backend(), latency=args.latency) as sampler,
+        FakeCompletionsServer(backend, latency=latency) as sampler,
     ):
         for r in range(args.repeats):
             for side in C.alternate(list(SIDES), r):
@@ -241,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         for t in cleanups:
             t.join()
     sampling = args.groups_per_step / args.producers * args.latency
+    tail = f"Pareto(alpha={args.tail_alpha}) x " if args.long_tail else ""
     print(
-        f"demo model, {args.producers} producers, sampler latency {args.latency * 1000:.0f} ms/group "
+        f"demo model, {args.producers} producers x {args.concurrency} in flight, sampler latency "
+        f"{tail}{args.latency * 1000:.0f} ms/group "
         f"(a step's {args.groups_per_step} groups x G={args.group_size}: ~{sampling:.2f} s of sampling), "
         f"{args.steps} steps after {args.warmup} warm-up, median of {args.repeats} repeats"
     )

@@ -10,8 +10,11 @@ after a warm-up the published groups are counted over a fixed window.
     python bench/producer_scaling.py            # 1, 2, 4 producers  (< 1 minute)
     python bench/producer_scaling.py --with-8   # and 8
     python bench/producer_scaling.py --check    # exit 1 when 4 vs 1 is under 3.5x
+    python bench/producer_scaling.py --inflight 16   # 1 producer, 16 rows in flight, vs 16 producers
 
-Prints groups/s per N and the ratio of 4 producers to 1 (goal: >= 3.5x).
+Prints groups/s per N and the ratio of 4 producers to 1 (goal: >= 3.5x). With
+``--inflight K``: one producer process with ``producer.concurrency = K`` against K
+single-flight processes (goal: >= 0.9 of their groups/s).
 """
 
 from __future__ import annotations
@@ -36,24 +39,36 @@ from streamer.keys import Keys  # noqa: E402
 from streamer.server import EmbeddedServer  # noqa: E402
 
 GOAL = 3.5
+INFLIGHT_GOAL = 0.9
 WIDE_OPEN = 10**9
 
 
-def write_config(path: Path, *, run: str, redis_url: str, sampler_url: str, group_size: int) -> Path:
+def write_config(
+    path: Path, *, run: str, redis_url: str, sampler_url: str, group_size: int, concurrency: int = 1
+) -> Path:
     path.write_text(
         f'[run]\nname = "{run}"\nredis_url = "{redis_url}"\ndata_dir = "{path.parent}"\n'
         f"[trainer]\ngroups_per_step = {WIDE_OPEN}\n"
         f"[bus]\nmax_unacked = {WIDE_OPEN}\n"
         f'[producer]\nsampler = "remote"\nremote_url = "{sampler_url}"\ngroup_size = {group_size}\n'
         "min_group_size = 1\nmax_new_tokens = 2\nshutdown_grace = 5.0\n"
+        f"concurrency = {concurrency}\nremote_concurrency = {max(8, concurrency)}\n"
     )
     return path
 
 
 def measure(
-    n: int, *, redis_url: str, sampler_url: str, workdir: Path, window: float, warmup: float, group_size: int
+    n: int,
+    *,
+    redis_url: str,
+    sampler_url: str,
+    workdir: Path,
+    window: float,
+    warmup: float,
+    group_size: int,
+    concurrency: int = 1,
 ) -> float:
-    """Groups per second published by ``n`` producer processes."""
+    """Groups per second published by ``n`` producer processes, ``concurrency`` rows each."""
     keys = Keys(f"bench{uuid.uuid4().hex[:8]}")
     client = connect(redis_url)
     gate = Admission(client, keys, max_staleness=0, groups_per_step=1)
@@ -64,6 +79,7 @@ def measure(
         redis_url=redis_url,
         sampler_url=sampler_url,
         group_size=group_size,
+        concurrency=concurrency,
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
@@ -87,7 +103,7 @@ def measure(
     ]
     try:
         deadline = time.monotonic() + 90
-        while client.hlen(keys.lease_owner) < n:
+        while client.hlen(keys.lease_owner) < n * concurrency:
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise SystemExit(f"{n} producers did not start")
             time.sleep(0.1)
@@ -119,7 +135,10 @@ def main() -> int:
     ap.add_argument("--with-8", action="store_true", help="also run 8 producers")
     ap.add_argument("--redis-url", help="use this server instead of an embedded one")
     ap.add_argument("--check", action="store_true", help=f"exit 1 when 4 vs 1 < {GOAL}x")
+    ap.add_argument("--inflight", type=int, default=0, help="K: 1 producer with K in flight vs K producers")
     args = ap.parse_args()
+    if args.inflight:
+        return inflight(args)
     counts = [1, 2, 4, 8] if args.with_8 else [1, 2, 4]
     began = time.monotonic()
     with (
@@ -156,6 +175,41 @@ def main() -> int:
         f"bench took {time.monotonic() - began:.0f} s"
     )
     return 1 if args.check and ratio < GOAL else 0
+
+
+def inflight(args) -> int:
+    """One producer with ``args.inflight`` rows in flight vs that many single-flight producers."""
+    k, began = args.inflight, time.monotonic()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        FakeCompletionsServer(canned([10, 5]), latency=args.latency) as sampler,
+    ):
+        server = None if args.redis_url else EmbeddedServer(Path(tmp) / "valkey").start()
+        url = args.redis_url or server.url
+        common = dict(
+            redis_url=url,
+            sampler_url=sampler.url,
+            workdir=Path(tmp),
+            window=args.window,
+            warmup=args.warmup,
+            group_size=args.group_size,
+        )
+        try:
+            print(f"fixed sampler latency {args.latency * 1000:.0f} ms, G={args.group_size}, {k} in flight")
+            many = measure(k, **common)
+            print(f"{k} producer processes, 1 row each: {many:.2f} groups/s", flush=True)
+            one = measure(1, concurrency=k, **common)
+            print(f"1 producer process, {k} rows in flight: {one:.2f} groups/s", flush=True)
+        finally:
+            if server:
+                server.stop()
+    ratio = one / many
+    verdict = "meets" if ratio >= INFLIGHT_GOAL else "MISSES"
+    print(
+        f"ratios: one_process_inflight_vs_processes={ratio:.2f} ({verdict} the goal of >= "
+        f"{INFLIGHT_GOAL}); bench took {time.monotonic() - began:.0f} s"
+    )
+    return 1 if args.check and ratio < INFLIGHT_GOAL else 0
 
 
 if __name__ == "__main__":

@@ -23,15 +23,16 @@ import time
 
 import redis
 
-from producers.components import Task, load_task, local_sampler
+from producers.components import load_task, local_sampler
 from producers.dataset import DatasetError
 from producers.follow import WeightFollower
 from producers.rewards import score
 from schemas import MetricsEvent, WeightSync
-from streamer import models
+from streamer import models, rollout_eval
 from streamer.bus import Publisher, connect, retrying
 from streamer.config import RunConfig
 from streamer.keys import Keys
+from streamer.rollout_types import Task, load_rollout
 
 log = logging.getLogger(__name__)
 
@@ -87,24 +88,14 @@ class Evaluator:
     def evaluate(self, version: int) -> int | None:
         """Greedy pass over the eval rows with the loaded weights; publishes the metrics."""
         start = time.monotonic()
-        rewards, lengths = [], []
-        for lo in range(0, len(self.prompts), self.e.batch_size):
-            if self.stop.is_set():
-                log.info("stopped during the evaluation of version %d; nothing published", version)
-                return None
-            batch = self.sampler.sample_many(
-                self.prompts[lo : lo + self.e.batch_size],
-                n=1,
-                temperature=0,
-                max_new_tokens=self.e.max_new_tokens,
-            )
-            for row, (completion,) in zip(self.rows[lo:], batch):
-                rewards.append(self._reward(row, completion))
-                lengths.append(len(completion.token_ids))
+        scored = self._run_rollouts() if self.cfg.producer.rollout else self._greedy(version)
+        if scored is None:
+            return None
+        rewards, lengths, successes = scored
         n = len(rewards)
         values = {
             "reward_mean": sum(rewards) / n,
-            "accuracy": sum(r > 0 for r in rewards) / n,
+            "accuracy": sum(successes) / n,
             "response_length_mean": sum(lengths) / n,
             "rows": float(n),
             "eval_seconds": time.monotonic() - start,
@@ -121,6 +112,39 @@ class Evaluator:
             values["eval_seconds"],
         )
         return version
+
+    def _greedy(self, version: int) -> tuple[list[float], list[int], list[bool]] | None:
+        """Single-turn: batched greedy completions of the rendered rows, then the reward."""
+        rewards, lengths = [], []
+        for lo in range(0, len(self.prompts), self.e.batch_size):
+            if self.stop.is_set():
+                log.info("stopped during the evaluation of version %d; nothing published", version)
+                return None
+            batch = self.sampler.sample_many(
+                self.prompts[lo : lo + self.e.batch_size],
+                n=1,
+                temperature=0,
+                max_new_tokens=self.e.max_new_tokens,
+            )
+            for row, (completion,) in zip(self.rows[lo:], batch):
+                rewards.append(self._reward(row, completion))
+                lengths.append(len(completion.token_ids))
+        return rewards, lengths, [r > 0 for r in rewards]
+
+    def _run_rollouts(self) -> tuple[list[float], list[int], list[bool]]:
+        """The task's own rollout, one greedy episode per row (multi-turn, tools); success is
+        the episode's ``metrics["success"]`` when it reports one, else reward > 0."""
+        episodes = rollout_eval.evaluate(
+            self.rows,
+            task=self.task,
+            sampler=self.sampler,
+            rollout=load_rollout(self.cfg.producer.rollout),
+            max_new_tokens=self.e.max_new_tokens,
+        )
+        rewards = [e.reward if e is not None else 0.0 for e in episodes]
+        lengths = [len(e.tokens) - len(e.segments[0].tokens) if e is not None else 0 for e in episodes]
+        successes = [e is not None and e.metrics.get("success", float(e.reward > 0)) > 0 for e in episodes]
+        return rewards, lengths, successes
 
     def _reward(self, row: dict, completion) -> float:
         try:

@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+from schemas.metric_names import EPISODE_DROP_REASONS  # noqa: E402
+
 OUTPUT = ROOT / "ops" / "grafana" / "dashboards" / "streamer.json"
 UID = "streamer-run"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -183,6 +187,24 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 (rate(ROLL + "weight_load_errors_total"), "weight load errors"),
             ),
             ts("Rollout step", (m(ROLL + "step"), "step")),
+        ],
+    ),
+    (
+        "Episodes (multi-turn rollouts)",
+        [
+            ts("Turns per episode", (m(ROLL + "turns_mean"), "turns (group mean)")),
+            ts("Tool calls/s", (rate(ROLL + "tool_calls_total"), "tool calls")),
+            ts("Episode seconds", (m(ROLL + "episode_seconds"), "rollout of a group"), unit="s"),
+            ts("Rows in flight", (m(ROLL + "in_flight_episodes"), "in flight")),
+            ts(
+                "Episodes dropped per second",
+                (rate(ROLL + "prefix_mismatches_total"), "prefix mismatches"),
+                *(
+                    (rate(ROLL + f"episodes_dropped_{r}_total"), r.replace("_", " "))
+                    for r in EPISODE_DROP_REASONS
+                ),
+                width=16,
+            ),
         ],
     ),
     (

@@ -8,7 +8,6 @@ since the evaluator always samples locally while producers may use a server.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from producers import rewards
 from producers.dataset import load_rows
@@ -16,16 +15,11 @@ from producers.render import Renderer, stop_ids
 from producers.samplers import LocalSampler
 from streamer import models
 from streamer.config import RunConfig
+from streamer.rollout_types import Task
+
+__all__ = ["Task", "build", "load_task", "local_sampler"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Task:
-    rows: list[dict]
-    renderer: Renderer
-    reward_fn: rewards.RewardFn
-    reward_path: str
 
 
 def load_task(

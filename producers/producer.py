@@ -1,45 +1,58 @@
 """`streamer produce`: the rollout producer loop.
 
-Per group: claim a row (a leased ticket) -> wait for an admission slot -> load the newest
-policy version -> render -> sample G completions -> reward each -> publish one
+Per row: claim it (a leased ticket) -> wait for an admission slot -> load the newest
+policy version -> run the rollout function (``producer.rollout``; the default renders,
+samples G completions and rewards each) -> check every episode -> publish one
 TrajectoryGroup (the XADD and the end of the lease in one script) -> publish a rollout
-MetricsEvent. A group with fewer than ``min_group_size`` good samples is dropped: its
-slot is released and nothing is published. A heartbeat thread keeps ``…:producers``
-fresh and renews the current lease.
+MetricsEvent. ``producer.concurrency`` rows are in flight at once (anyio tasks), each
+with its own lease and admission slot; blocking calls run in worker threads. A group
+with fewer than ``min_group_size`` good episodes is dropped: its slot is released and
+nothing is published. A rollout that raises or outlives ``rollout_timeout`` hands its row
+back (after ``MAX_ROW_ATTEMPTS`` failures in this process the row is skipped). A
+heartbeat thread keeps ``…:producers`` fresh and renews every lease held.
 
 Stops after ``max_groups`` published groups, when ``epochs`` are exhausted, or on
-SIGTERM/SIGINT: the current row is finished if it can be within ``shutdown_grace``
+SIGTERM/SIGINT: rows in flight are finished if they can be within ``shutdown_grace``
 seconds, otherwise handed back (requeued first) and the process exits 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import threading
 import time
+from collections import Counter
 
+import anyio
 import redis
 
-from producers.components import Task, build
+from producers import rollout as rollouts
+from producers.components import build
 from producers.dataset import Order
 from producers.follow import WeightFollower
+from producers.heartbeat import Heartbeat
+from producers.inflight import WeightGate, blocking, retrying
 from producers.leases import EXHAUSTED, WAIT, Leases
-from producers.rewards import score
 from producers.samplers import SamplerError
-from producers.stats import Pending, Timings, group_values
-from schemas import MetricsEvent, Sample, TrajectoryGroup, encode
+from producers.stats import Pending, Timings, episode_values, group_values
+from schemas import MetricsEvent, TrajectoryGroup, encode
 from streamer.admission import Admission, LeaseLost
-from streamer.bus import Publisher, connect, retrying, unacked
+from streamer.batching import MicroBatcher
+from streamer.bus import Publisher, connect, unacked
 from streamer.config import RunConfig
 from streamer.keys import Keys
+from streamer.rollout_types import Completion, Episode, RolloutContext, Task
+from streamer.trajectory import PrefixMismatch
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 2.0  # well under the 5 s others treat as alive
 MAX_SAMPLER_FAILURES = 10  # consecutive failed groups before the producer gives up
+MAX_ROW_ATTEMPTS = 3  # rollouts of one row that raise or time out before it is skipped
 
 
 class Producer:
@@ -54,9 +67,12 @@ class Producer:
         task: Task,
         sampler,
         stop: threading.Event | None = None,
+        rollout=None,
     ):
         self.cfg, self.p, self.client, self.id = cfg, cfg.producer, client, producer_id
         self.task, self.sampler = task, sampler
+        self.rollout = rollout or rollouts.load(self.p.rollout)
+        self.rollout_path = self.p.rollout or rollouts.DEFAULT
         self.keys = Keys(cfg.run.name)
         self.stop = stop or threading.Event()
         self.order = Order(len(task.rows), seed=cfg.run.seed)
@@ -75,11 +91,20 @@ class Producer:
         self.follower = WeightFollower(
             client, self.keys, weights_dir=cfg.weights_dir, sampler=sampler, verify=cfg.weights.verify
         )
+        self.vocab_size = _vocab_size(task, sampler)
         self.pending = Pending()
-        self.current: int | None = None  # ticket being worked on (renewed by the heartbeat)
+        self.held: set[int] = set()  # tickets being worked on (renewed by the heartbeat)
         self.published = 0
+        self.in_flight = 0  # rows between claim and publish/drop/hand-back
         self._failures = 0
-        self._heartbeat = _Heartbeat(self, min(HEARTBEAT_SECONDS, self.p.lease_seconds / 3))
+        self._row_failures: Counter[int] = Counter()
+        self._gate: WeightGate | None = None
+        self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.p.lease_seconds / 3))
+
+    @property
+    def current(self) -> int | None:
+        """A ticket held now (any), for callers that think of one row at a time."""
+        return next(iter(self.held), None)
 
     # ------------------------------------------------------------ the loop
 
@@ -87,83 +112,107 @@ class Producer:
         """Produce until done or stopped; 0 on a clean stop."""
         self._heartbeat.start()
         log.info(
-            "producer %s: %d rows, G=%d, sampler %s, reward %s",
+            "producer %s: %d rows, G=%d, %d in flight, sampler %s, rollout %s, reward %s",
             self.id,
             len(self.task.rows),
             self.p.group_size,
+            self.p.concurrency,
             self.p.sampler,
+            self.rollout_path,
             self.task.reward_path,
         )
         try:
-            while not self.stop.is_set():
-                if self.p.max_groups and self.published >= self.p.max_groups:
-                    log.info("published %d groups (max_groups): done", self.published)
-                    break
-                # a server outage (restart, network) is waited out with logged backoff; the
-                # row being worked on is handed back or its lease expires and it is re-issued
-                if retrying(self.step, what=f"producer {self.id}") == "exhausted":
-                    log.info("all %d epochs claimed and finished: done", self.p.epochs)
-                    break
+            anyio.run(self._run)
         finally:
             self._heartbeat.close()
             self._flush_metrics()
         return 0
 
+    async def _run(self) -> None:
+        self._setup()
+        async with anyio.create_task_group() as tg:
+            for _ in range(self.p.concurrency):
+                tg.start_soon(self._worker)
+
+    def _setup(self) -> None:
+        """Per event loop: the weight gate and the thread limiters."""
+        self._gate = WeightGate(exclusive=getattr(self.sampler, "max_parallel", 1) == 1)
+        self._redis_limiter = anyio.CapacityLimiter(self.p.concurrency + 2)
+        self._sample_limiter = anyio.CapacityLimiter(getattr(self.sampler, "max_parallel", 1))
+        local = getattr(self.sampler, "max_parallel", 1) == 1 and hasattr(self.sampler, "sample_many")
+        self._batcher = MicroBatcher(self._sample_batch) if local else None
+
+    async def _worker(self) -> None:
+        while not self.stop.is_set():
+            if self.p.max_groups and self.published + self.in_flight >= self.p.max_groups:
+                if self.published >= self.p.max_groups:
+                    log.info("published %d groups (max_groups): done", self.published)
+                    return
+                await anyio.sleep(0.05)  # the rows in flight may still fail and need redoing
+                continue
+            # a server outage (restart, network) is waited out with logged backoff; the
+            # row being worked on is handed back or its lease expires and it is re-issued
+            if await retrying(self._step, what=f"producer {self.id}") == "exhausted":
+                log.info("all %d epochs claimed and finished: done", self.p.epochs)
+                return
+
     def step(self) -> str:
-        """One claim: "published", "dropped", "lost", "stopped", "wait", "exhausted", "error"."""
-        ticket = self.leases.claim()
-        if ticket == EXHAUSTED:
-            return "exhausted"
-        if ticket == WAIT:  # open leases elsewhere may still expire and come back
-            self.stop.wait(min(1.0, self.p.lease_seconds / 4))
-            return "wait"
-        self.current = ticket
+        """One row, start to end (tests): the outcome of :meth:`_step`."""
+
+        async def one() -> str:
+            self._setup()
+            return await self._step()
+
+        return anyio.run(one)
+
+    async def _step(self) -> str:
+        """One claim: "published", "dropped", "lost", "stopped", "wait", "exhausted", "error",
+        "failed" (the rollout raised or timed out; the row was handed back)."""
+        self.in_flight += 1
         try:
-            outcome = self._work(ticket)
-        except SamplerError as e:
-            self.leases.hand_back(ticket)
-            return self._sampler_failed(e)
-        except BaseException:
+            ticket = await self._redis(self.leases.claim)
+            if ticket == EXHAUSTED:
+                return "exhausted"
+            if ticket == WAIT:  # open leases elsewhere may still expire and come back
+                await anyio.sleep(min(1.0, self.p.lease_seconds / 4))
+                return "wait"
+            self.held.add(ticket)
             try:
-                self.leases.hand_back(ticket)
-            except redis.exceptions.RedisError as e:  # the lease will expire instead
-                log.error("could not hand back ticket %d: %s", ticket, e)
-            raise
+                outcome = await self._work(ticket)
+            except SamplerError as e:
+                self._hand_back(ticket)
+                return await self._sampler_failed(e)
+            except BaseException:
+                self._hand_back(ticket)
+                raise
+            finally:
+                self.held.discard(ticket)
         finally:
-            self.current = None
-        self._failures = 0
+            self.in_flight -= 1
+        if outcome != "failed":
+            self._failures = 0
         return outcome
 
-    def _work(self, ticket: int) -> str:
+    async def _work(self, ticket: int) -> str:
         pos = self.order.position(ticket)
         row = self.task.rows[pos.row]
         try:  # the slot is the lease's (atomically: a retried admission takes no second one)
-            admission_wait = self.admission.wait(self.stop.is_set, ticket=ticket, owner=self.id)
+            admission_wait = await self._redis(
+                self.admission.wait, self.stop.is_set, ticket=ticket, owner=self.id
+            )
         except LeaseLost:
             log.warning("lease on ticket %d expired while waiting for admission", ticket)
             return "lost"
         if admission_wait is None:
-            self.leases.hand_back(ticket)
+            self._hand_back(ticket)
             return "stopped"
-        self._follow_weights()
         created, start = time.time(), time.monotonic()
-        try:
-            prompt = self.task.renderer.render(row)
-        except (ValueError, KeyError, TypeError) as e:
-            log.error("row %d cannot be rendered (%s); skipped", pos.row, e)
-            return self._drop(ticket, failures=0)
-        version = self.follower.version
-        completions = self.sampler.sample(
-            prompt,
-            n=self.p.group_size,
-            temperature=self.p.temperature,
-            top_p=self.p.top_p,
-            max_new_tokens=self.p.max_new_tokens,
-            seed=_seed(self.cfg.run.seed, ticket),
-        )
+        episodes = await self._rollout(row, pos, ticket)
+        if episodes is None:
+            return "failed"
         sample_seconds = time.monotonic() - start
-        samples = [s for c in completions if (s := self._score(row, prompt, c, version)) is not None]
-        failures = len(completions) - len(samples)
+        samples = self._check(episodes, pos)
+        failures = max(0, self.p.group_size - len(samples))
         if len(samples) < self.p.min_group_size:
             log.warning(
                 "row %d: %d good samples < min_group_size %d; group dropped",
@@ -171,80 +220,164 @@ class Producer:
                 len(samples),
                 self.p.min_group_size,
             )
-            return self._drop(ticket, failures=failures)
+            return await self._drop(ticket, failures=failures)
         group = TrajectoryGroup(
             group_id=f"{pos.epoch}:{pos.row}",
             row=pos.row,
             epoch=pos.epoch,
             producer_id=self.id,
-            samples=samples,
-            policy_version=min(s.version for s in samples),
+            samples=[s for s, _ in samples],
+            policy_version=min(s.version for s, _ in samples),  # the oldest turn of any sample
             created_at=created,
         )
         timings = Timings(sample_seconds, admission_wait, 0.0)
-        return self._publish(ticket, group, failures=failures, timings=timings)
+        extra = episode_values([e for _, e in samples], seconds=sample_seconds, in_flight=self.in_flight)
+        return await self._publish(ticket, group, failures=failures, timings=timings, extra=extra)
 
-    def _score(self, row: dict, prompt: list[int], completion, version: int) -> Sample | None:
-        if not completion.token_ids:
-            return None
-        try:
-            text = self.task.renderer.decode(completion.token_ids)
-            reward = score(self.task.reward_fn, row, text, completion)
-        except Exception as e:  # a user function: anything it raises marks the sample failed
-            log.warning(
-                "reward %s raised %s: %s (sample dropped)", self.task.reward_path, type(e).__name__, e
-            )
-            return None
-        return Sample.build(
-            prompt_ids=prompt,
-            completion_ids=completion.token_ids,
-            logprobs=completion.logprobs,
-            reward=reward,
-            finish_reason=completion.finish_reason,
-            version=version,
+    async def _rollout(self, row: dict, pos, ticket: int) -> list[Episode] | None:
+        """The rollout's episodes, or None (counted, logged, row handed back) when it failed."""
+        ctx = RolloutContext(
+            task=self.task,
+            group_size=self.p.group_size,
+            temperature=self.p.temperature,
+            top_p=self.p.top_p,
+            max_new_tokens=self.p.max_new_tokens,
+            seed=_seed(self.cfg.run.seed, ticket),
+            sample_fn=self._sample,
+            max_seq_len=self.cfg.trainer.max_seq_len,
         )
+        where = f"row {pos.row} (epoch {pos.epoch})"
+        try:
+            with anyio.fail_after(self.p.rollout_timeout or None):
+                return list(await self.rollout(row, ctx))
+        except Exception as e:  # user code: anything it raises drops the rollout, not the producer
+            leaf = _first_leaf(e)
+            if isinstance(leaf, SamplerError):
+                raise leaf from e
+            if isinstance(leaf, TimeoutError):
+                reason, why = "timeout", f"timed out after {self.p.rollout_timeout:.1f}s"
+            else:
+                reason, why = "error", f"raised {type(leaf).__name__}: {leaf}"
+            if isinstance(leaf, PrefixMismatch):
+                self.pending.add("prefix_mismatches")
+        self.pending.add(f"episodes_dropped_{reason}", self.p.group_size)
+        self._row_failures[ticket] += 1
+        if self._row_failures[ticket] >= MAX_ROW_ATTEMPTS:
+            log.error(
+                "%s: rollout %s %s; %d attempts, row skipped", where, self.rollout_path, why, MAX_ROW_ATTEMPTS
+            )
+            self.leases.finish(ticket)
+        else:
+            log.error("%s: rollout %s %s; row handed back", where, self.rollout_path, why)
+            self._hand_back(ticket)
+        return None
 
-    def _publish(self, ticket: int, group: TrajectoryGroup, *, failures: int, timings: Timings) -> str:
-        waited = self.publisher.wait_for_room(self.stop.is_set)
+    def _check(self, episodes: list, pos) -> list[tuple]:
+        """(Sample, Episode) of every episode that passes :func:`producers.rollout.to_sample`."""
+        out = []
+        for e in episodes[: self.p.group_size]:
+            try:
+                out.append(
+                    (
+                        rollouts.to_sample(
+                            e, vocab_size=self.vocab_size, max_seq_len=self.cfg.trainer.max_seq_len
+                        ),
+                        e,
+                    )
+                )
+            except rollouts.EpisodeRejected as err:
+                self.pending.add(f"episodes_dropped_{err.reason}")
+                log.warning("row %d (epoch %d): episode dropped: %s", pos.row, pos.epoch, err)
+        return out
+
+    async def _sample(self, prompt_ids: list[int], **kwargs) -> list[Completion]:
+        """The rollout's engine call: in a thread, stamped with the version that sampled it.
+
+        A newer policy is loaded first, so the turns of one episode may differ in version.
+        Calls on an in-process model are batched with the other episodes' (MicroBatcher)."""
+        if self._batcher is not None:
+            return await self._batcher.sample(prompt_ids, **kwargs)
+        await self._follow_weights()
+        async with self._gate.reading():
+            version = self.follower.version
+            completions = await blocking(
+                self.sampler.sample, prompt_ids, limiter=self._sample_limiter, **kwargs
+            )
+        return [dataclasses.replace(c, version=version) for c in completions]
+
+    async def _sample_batch(self, prompts: list[list[int]], **kwargs) -> list[list[Completion]]:
+        """One batched generate of an in-process model, stamped with its version."""
+        await self._follow_weights()
+        async with self._gate.reading():
+            version = self.follower.version
+            out = await blocking(self.sampler.sample_many, prompts, limiter=self._sample_limiter, **kwargs)
+        return [[dataclasses.replace(c, version=version) for c in cs] for cs in out]
+
+    async def _publish(self, ticket: int, group: TrajectoryGroup, *, failures, timings, extra) -> str:
+        waited = await self._redis(self.publisher.wait_for_room, self.stop.is_set)
         if self.stop.is_set() and unacked(self.client, self.keys.traj) >= self.cfg.bus.max_unacked:
-            self.leases.hand_back(ticket)  # stopping and no room: someone else publishes it later
+            self._hand_back(ticket)  # stopping and no room: someone else publishes it later
             return "stopped"
-        if self.leases.publish(ticket, encode(group)) is None:
+        if await self._redis(self.leases.publish, ticket, encode(group)) is None:
             log.warning("lease on row %d (epoch %d) was lost; group discarded", group.row, group.epoch)
             return "lost"
         self.published += 1
-        pipe = self.client.pipeline(transaction=False)
-        pipe.incr(self.keys.rollout_step)
-        pipe.get(self.keys.version)
-        step, current = pipe.execute()
-        timings = Timings(timings.sample_seconds, timings.admission_wait_seconds, waited)
-        values = group_values(group, failures=failures, current_version=int(current or 0), timings=timings)
-        self._send_metrics(int(step), values)
+        self._row_failures.pop(ticket, None)
+
+        def send() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.incr(self.keys.rollout_step)
+            pipe.get(self.keys.version)
+            step, current = pipe.execute()
+            t = Timings(timings.sample_seconds, timings.admission_wait_seconds, waited)
+            values = group_values(group, failures=failures, current_version=int(current or 0), timings=t)
+            self._send_metrics(int(step), {**values, **extra})
+
+        await self._redis(send)
         return "published"
 
-    def _drop(self, ticket: int, *, failures: int) -> str:
-        self.leases.finish(ticket)  # the row is done for this epoch; its slot goes back
+    async def _drop(self, ticket: int, *, failures: int) -> str:
+        await self._redis(self.leases.finish, ticket)  # the row is done for this epoch; its slot goes back
         self.pending.add("groups_dropped")
         self.pending.add("sample_failures", failures)
-        self._flush_metrics()
+        await self._redis(self._flush_metrics)
         return "dropped"
 
-    def _sampler_failed(self, e: SamplerError) -> str:
+    async def _sampler_failed(self, e: SamplerError) -> str:
         self._failures += 1
         log.error("sampling failed (%d in a row): %s; row handed back", self._failures, e)
         if self._failures >= MAX_SAMPLER_FAILURES:
             raise SamplerError(f"{self._failures} groups in a row failed to sample; last: {e}")
-        self.stop.wait(min(30.0, 0.5 * 2**self._failures))
+        with anyio.move_on_after(min(30.0, 0.5 * 2**self._failures)):
+            while not self.stop.is_set():
+                await anyio.sleep(0.05)
         return "error"
+
+    def _hand_back(self, ticket: int) -> None:
+        try:
+            self.leases.hand_back(ticket)
+        except redis.exceptions.RedisError as e:  # the lease will expire instead
+            log.error("could not hand back ticket %d: %s", ticket, e)
+
+    async def _redis(self, fn, *args, **kwargs):
+        return await blocking(fn, *args, limiter=self._redis_limiter, **kwargs)
 
     # ------------------------------------------------------------ weights and metrics
 
-    def _follow_weights(self) -> None:
-        loads, errors = self.follower.loads, self.follower.errors
-        if self.follower.update():
-            self.pending.weight_load_seconds = self.follower.last_load_seconds
-        self.pending.add("weight_loads", self.follower.loads - loads)
-        self.pending.add("weight_load_errors", self.follower.errors - errors)
+    async def _follow_weights(self) -> None:
+        """Load a newer version, once no engine call is in flight (see WeightGate)."""
+        sync = await self._redis(self.follower.tail.latest)
+        f = self.follower
+        if sync is None or sync.version <= f.version or sync.version in f.failed:
+            return
+        async with self._gate.writing():
+            if sync.version <= f.version or sync.version in f.failed:
+                return  # another worker loaded it while we waited
+            errors = f.errors
+            if await blocking(f.load, sync):
+                self.pending.weight_load_seconds = f.last_load_seconds
+                self.pending.add("weight_loads")
+            self.pending.add("weight_load_errors", f.errors - errors)
 
     def _send_metrics(self, step: int, values: dict[str, float]) -> None:
         pending = self.pending.drain()
@@ -266,37 +399,18 @@ class Producer:
         self.sampler.close()
 
 
-class _Heartbeat(threading.Thread):
-    """ZADD ``…:producers`` {id: now} and renew the current lease every ``interval`` s."""
+def _first_leaf(e: BaseException) -> BaseException:
+    """The first exception inside (nested) exception groups: what an episode really raised."""
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return e
 
-    def __init__(self, producer: Producer, interval: float):
-        super().__init__(name=f"heartbeat-{producer.id}", daemon=True)
-        self.producer, self.interval = producer, interval
-        self._done = threading.Event()
 
-    def run(self) -> None:
-        p = self.producer
-        while True:
-            try:
-                p.client.zadd(p.keys.producers, {p.id: time.time()})
-                ticket = p.current
-                if ticket is not None and not p.leases.renew(ticket):
-                    # usually the lease just ended (published); a real loss is logged where
-                    # it matters, when the group cannot be published
-                    log.debug("lease on ticket %d is no longer ours", ticket)
-            except redis.exceptions.RedisError as e:
-                log.warning("heartbeat failed: %s", e)
-            if self._done.wait(self.interval):
-                return
-
-    def close(self) -> None:
-        self._done.set()
-        if self.is_alive():
-            self.join(timeout=5.0)
-        try:
-            self.producer.client.zrem(self.producer.keys.producers, self.producer.id)
-        except redis.exceptions.RedisError as e:
-            log.warning("could not remove heartbeat: %s", e)
+def _vocab_size(task: Task, sampler) -> int:
+    """Token ids at or above this are malformed: the larger of tokenizer and model vocab."""
+    n = len(task.renderer.tokenizer)
+    model = getattr(sampler, "model", None)
+    return max(n, int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0))
 
 
 def _seed(base: int, ticket: int) -> int:
@@ -313,6 +427,7 @@ def main(cfg: RunConfig, args) -> int:
         cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name=f"producer-{producer_id}"
     )
     task, sampler = build(cfg)
+    rollouts.load(cfg.producer.rollout)  # a bad import path fails before any work
     producer = Producer(cfg, client=client, producer_id=producer_id, task=task, sampler=sampler)
     _install_signals(producer)
     try:
@@ -343,13 +458,14 @@ def _install_signals(producer: Producer) -> None:
 
 
 def _give_up(producer: Producer) -> None:
-    """The grace period passed: hand the row back and leave now (exit 0: a clean stop)."""
-    ticket = producer.current
+    """The grace period passed: hand the rows back and leave now (exit 0: a clean stop)."""
+    held = sorted(producer.held)
     try:
-        if ticket is not None and producer.leases.hand_back(ticket):
-            log.warning("grace period over: ticket %d handed back", ticket)
+        for ticket in held:
+            if producer.leases.hand_back(ticket):
+                log.warning("grace period over: ticket %d handed back", ticket)
         producer.client.zrem(producer.keys.producers, producer.id)
     except redis.exceptions.RedisError as e:
-        log.error("grace period over; could not hand back ticket %s: %s", ticket, e)
+        log.error("grace period over; could not hand back tickets %s: %s", held, e)
     logging.shutdown()
     os._exit(0)

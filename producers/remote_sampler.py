@@ -64,6 +64,7 @@ class RemoteSampler:
         self.timeout = timeout
         self.reload_endpoint, self.lora_endpoint = reload_endpoint, lora_endpoint
         self.adapters: list[str] = []  # loaded LoRA adapter names, oldest first
+        self.max_parallel = concurrency  # engine calls a producer may have in flight at once
         self._slots = threading.BoundedSemaphore(concurrency)
         self._http = httpx.Client(
             base_url=self.base_url,

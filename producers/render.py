@@ -47,6 +47,35 @@ class Renderer:
             raise ValueError("the row rendered to an empty prompt")
         return ids
 
+    def render_suffix(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Tokens that ``messages`` add after an assistant turn that ended with a stop token.
+
+        Multi-turn rollouts append these to the tokens accumulated so far instead of
+        re-rendering the history (a re-render may tokenize a sampled turn differently).
+        Found by rendering a fixed two-turn chat with and without ``messages``: the
+        difference after the assistant's stop token is what the template appends.
+        """
+        if not self.chat_template:
+            text = "".join(f"\n{m['content']}" for m in messages)
+            return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        before = self._apply(base, add_generation_prompt=False)
+        after = self._apply(base + list(messages), add_generation_prompt=add_generation_prompt)
+        stops = set(self.stop_ids)
+        ends = [i for i, t in enumerate(before) if t in stops]
+        if not ends:
+            raise ValueError("the chat template does not end an assistant turn with a stop token")
+        cut = ends[-1] + 1
+        if after[:cut] != before[:cut]:
+            raise ValueError("the chat template re-renders earlier turns when messages are added")
+        return after[cut:]
+
+    def _apply(self, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+        return [int(i) for i in ids]
+
     def decode(self, ids: Iterable[int]) -> str:
         """Completion text for rewards: special tokens (EOS) dropped."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

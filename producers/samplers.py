@@ -28,51 +28,13 @@ for that reason alone. Use ``top_p = 1`` for training, as verl and AReaL recomme
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
 
-from streamer.errors import StreamerError
+from streamer.rollout_types import Completion, FinishReason, Sampler, SamplerError
+
+__all__ = ["Completion", "FinishReason", "LocalSampler", "Sampler", "SamplerError", "cut_at_stop"]
 
 log = logging.getLogger(__name__)
-
-FinishReason = Literal["stop", "length"]
-
-
-class SamplerError(StreamerError, RuntimeError):
-    """Sampling failed (server unreachable after retries, malformed answer, ...)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    token_ids: list[int]  # completion tokens, ending with the stop token when finish == "stop"
-    logprobs: list[float]  # one per token: log-prob under the sampling distribution
-    finish_reason: FinishReason
-
-    def __post_init__(self) -> None:
-        if len(self.token_ids) != len(self.logprobs):
-            raise SamplerError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
-
-
-class Sampler(Protocol):
-    """What a producer needs from a sampler."""
-
-    def sample(
-        self,
-        prompt_ids: list[int],
-        *,
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: int,
-        seed: int | None = None,
-    ) -> list[Completion]: ...
-
-    def load_weights(self, directory: Path) -> None:
-        """Switch to the safetensors weights in ``directory`` (raise on failure)."""
-        ...
-
-    def close(self) -> None: ...
 
 
 def cut_at_stop(token_ids: list[int], logprobs: list[float], stop_ids) -> Completion:

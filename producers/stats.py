@@ -7,6 +7,7 @@ with the next event the producer sends.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -27,18 +28,21 @@ class Pending:
     def __init__(self):
         self.counts: Counter[str] = Counter()
         self.weight_load_seconds: float | None = None
+        self._lock = threading.Lock()  # rows in flight add from the loop, drain from threads
 
     def add(self, name: str, n: float = 1) -> None:
         assert ROLLOUT[name][0] == "counter", name
         if n:
-            self.counts[name] += n
+            with self._lock:
+                self.counts[name] += n
 
     def drain(self) -> dict[str, float]:
-        out = {k: float(v) for k, v in self.counts.items()}
-        if self.weight_load_seconds is not None:
-            out["weight_load_seconds"] = self.weight_load_seconds
-        self.counts.clear()
-        self.weight_load_seconds = None
+        with self._lock:
+            out = {k: float(v) for k, v in self.counts.items()}
+            if self.weight_load_seconds is not None:
+                out["weight_load_seconds"] = self.weight_load_seconds
+            self.counts.clear()
+            self.weight_load_seconds = None
         return out
 
     def __bool__(self) -> bool:
@@ -71,3 +75,15 @@ def group_values(
     if failures:
         values["sample_failures"] = float(failures)
     return values
+
+
+def episode_values(episodes, *, seconds: float, in_flight: int) -> dict[str, float]:
+    """Multi-turn gauges and counters of one published group's episodes."""
+    n = max(1, len(episodes))
+    turns = [e.metrics.get("turns", 1.0) for e in episodes]
+    return {
+        "turns_mean": sum(turns) / n,
+        "tool_calls": float(sum(e.metrics.get("tool_calls", 0.0) for e in episodes)),
+        "episode_seconds": seconds,
+        "in_flight_episodes": float(in_flight),
+    }

@@ -2,22 +2,26 @@
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.events import (
+    READABLE_SCHEMAS,
     SCHEMA_VERSION,
     DeadLetter,
     Event,
     MetricsEvent,
     Sample,
+    Span,
     TrajectoryGroup,
     WeightSync,
 )
 
 __all__ = [
+    "READABLE_SCHEMAS",
     "SCHEMA_VERSION",
     "DeadLetter",
     "DecodeError",
     "Event",
     "MetricsEvent",
     "Sample",
+    "Span",
     "TrajectoryGroup",
     "WeightSync",
     "decode",

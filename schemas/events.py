@@ -17,7 +17,8 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # 2 added Sample.spans (per-turn versions); a v1 event is a v2 without them
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -35,13 +36,22 @@ def _event_id() -> str:
 
 
 def _check_schema(v: int) -> None:
-    if v != SCHEMA_VERSION:
-        raise ValueError(f"unknown schema version {v} (this build reads {SCHEMA_VERSION})")
+    if v not in READABLE_SCHEMAS:
+        readable = ", ".join(map(str, READABLE_SCHEMAS))
+        raise ValueError(f"unknown schema version {v} (this build reads {readable})")
 
 
 def _check_version(name: str, v: int) -> None:
     if v < 0:
         raise ValueError(f"{name} must be >= 0, got {v}")
+
+
+class Span(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Completion tokens ``[start, end)`` sampled by policy ``version`` (one assistant turn)."""
+
+    start: int
+    end: int
+    version: int
 
 
 # gc=False: Samples and groups hold no references that could form a cycle, so the cyclic GC
@@ -57,6 +67,10 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
     finish_reason: FinishReason
     version: int  # policy version that sampled this completion (oldest turn if multi-turn)
     mask: memoryview | None = None  # uint8 per completion token, 1 = trained; None = all trained
+    # sampled turns of a multi-turn sample, in order; tokens outside every span (tool results,
+    # environment messages) were not sampled and must have mask 0. None = one turn: the whole
+    # completion, sampled by `version`. (schema 2; a schema-1 event has none)
+    spans: list[Span] | None = None
 
     def __post_init__(self) -> None:
         n_tok, rem = divmod(len(self.tokens), 4)
@@ -72,6 +86,27 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
         if not math.isfinite(self.reward):
             raise ValueError(f"reward is not finite: {self.reward}")
         _check_version("version", self.version)
+        if self.spans is not None:
+            self._check_spans(n_lp)
+
+    def _check_spans(self, n: int) -> None:
+        if not self.spans:
+            raise ValueError("spans is empty (use None for a single-turn sample)")
+        at = 0
+        for s in self.spans:
+            if not at <= s.start < s.end <= n:
+                raise ValueError(f"span [{s.start}, {s.end}) overlaps or lies outside [{at}, {n})")
+            _check_version("span version", s.version)
+            at = s.end
+        oldest = min(s.version for s in self.spans)
+        if self.version != oldest:
+            raise ValueError(f"version {self.version} != oldest span version {oldest}")
+        if self.mask is not None:
+            inside = np.zeros(n, bool)
+            for s in self.spans:
+                inside[s.start : s.end] = True
+            if np.frombuffer(self.mask, np.uint8)[~inside].any():
+                raise ValueError("mask trains tokens outside every sampled span")
 
     @classmethod
     def build(
@@ -84,6 +119,7 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
         finish_reason: FinishReason,
         version: int,
         mask=None,
+        spans: list[Span] | None = None,
     ) -> Sample:
         """Pack python/numpy sequences into the wire form."""
         tokens = np.concatenate(
@@ -97,6 +133,7 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
             finish_reason=finish_reason,
             version=version,
             mask=None if mask is None else memoryview(np.asarray(mask, np.uint8).tobytes()),
+            spans=spans,
         )
 
     def token_ids(self) -> np.ndarray:
@@ -117,6 +154,16 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
             return np.ones(n, np.float32)
         return np.frombuffer(self.mask, np.uint8).astype(np.float32)
 
+    def token_versions(self) -> np.ndarray:
+        """(T - prompt_len,) int64 policy version per completion token; -1 where not sampled."""
+        n = len(self.logprobs) // 4
+        if self.spans is None:
+            return np.full(n, self.version, np.int64)
+        out = np.full(n, -1, np.int64)
+        for s in self.spans:
+            out[s.start : s.end] = s.version
+        return out
+
     @property
     def num_tokens(self) -> int:
         return len(self.tokens) // 4
@@ -134,7 +181,7 @@ class TrajectoryGroup(msgspec.Struct, frozen=True, tag="group", kw_only=True, gc
     epoch: int
     producer_id: str
     samples: list[Sample]
-    policy_version: int  # oldest version among the samples
+    policy_version: int  # oldest version among the samples (and all their turns)
     created_at: float  # when sampling started
     published_at: float = msgspec.field(default_factory=_now)
     schema: int = SCHEMA_VERSION

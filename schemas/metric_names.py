@@ -12,6 +12,8 @@ from typing import Literal
 
 Kind = Literal["gauge", "counter"]
 
+# why a producer dropped an episode (see producers.rollout.REASONS)
+EPISODE_DROP_REASONS = ("error", "timeout", "malformed", "bad_token", "bad_logprob", "too_long", "bad_reward")
 REJECT_REASONS = ("stale", "zero_variance", "too_few_samples", "overlong", "user_filter", "too_long")
 
 TRAIN: dict[str, tuple[Kind, str]] = {
@@ -74,6 +76,15 @@ ROLLOUT: dict[str, tuple[Kind, str]] = {
     "weight_loads": ("counter", "weight versions loaded"),
     "weight_load_errors": ("counter", "weight versions that could not be loaded"),
     "weight_load_seconds": ("gauge", "time to load the newest weights"),
+    "turns_mean": ("gauge", "mean sampled turns per episode of the group"),
+    "tool_calls": ("counter", "tool calls made by published episodes"),
+    "prefix_mismatches": ("counter", "rollouts dropped: an engine call broke the token prefix"),
+    "episode_seconds": ("gauge", "wall time of the group's rollout"),
+    "in_flight_episodes": ("gauge", "rows in flight in the producer when the group was published"),
+    **{
+        f"episodes_dropped_{r}": ("counter", f"episodes dropped: {r.replace('_', ' ')}")
+        for r in EPISODE_DROP_REASONS
+    },
 }
 
 EVAL: dict[str, tuple[Kind, str]] = {

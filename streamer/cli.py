@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     def role(name: str, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help)
         sp.add_argument("--config", help="TOML run config (default: the built-in demo)")
+        sp.add_argument("--task", help="a built-in task instead of a config: retry, tools")
         sp.add_argument(
             "--redis-url", help=f"override run.redis_url (${URL_ENV} too; keeps a password off argv)"
         )
@@ -83,7 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
-    cfg = load_config(getattr(args, "config", None))
+    task = getattr(args, "task", None)
+    if task and getattr(args, "config", None):
+        raise ConfigError("--task and --config exclude each other")
+    if task:
+        from streamer import tasks
+
+        cfg = tasks.config(task)
+    else:
+        cfg = load_config(getattr(args, "config", None))
     url = args.redis_url if args.redis_url is not None else (os.environ.get(URL_ENV) or None)
     run = {
         k: v

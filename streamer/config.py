@@ -108,13 +108,17 @@ class ProducerSection(_Section):
     max_groups: int = 0  # stop after publishing this many groups; 0 = forever
     shutdown_grace: float = 30.0  # on SIGTERM: finish or hand back the current row within this
     torch_threads: int = 0  # torch CPU threads of a local sampler; 0 = torch's default
+    rollout: str = ""  # "module:function" async (row, ctx) -> episodes; "" = single-turn render/sample/reward
+    concurrency: int = 1  # rollouts (rows) in flight at once, each with its own lease and admission slot
+    rollout_timeout: float = 0.0  # cancel a rollout running longer (its row is handed back); 0 = never
 
     def __post_init__(self) -> None:
         self._positive("group_size", "min_group_size", "max_new_tokens", "lease_seconds")
         self._positive("temperature", "top_p", "remote_timeout", "remote_concurrency")
         self._positive("remote_retries", "epochs", "max_groups", allow_zero=True)
         self._positive("shutdown_grace")
-        self._positive("torch_threads", allow_zero=True)
+        self._positive("torch_threads", "rollout_timeout", allow_zero=True)
+        self._positive("concurrency")
         if self.top_p > 1:
             raise ValueError(f"`top_p` must be <= 1, got {self.top_p}")
         if self.min_group_size > self.group_size:
@@ -201,7 +205,9 @@ class TrainerSection(_Section):
     keep_checkpoints: int = 2  # full checkpoints kept; older ones keep only their audit metadata
     loss: LossName = "grpo"  # grpo, dapo, gspo, cispo, reinforce, importance_sampling (table below)
     advantage: str = "grpo"  # grpo (z-score), dr_grpo (no std), rloo (leave one out) or module:function
-    max_seq_len: int = 0  # groups with a sample (prompt + completion) longer are rejected (too_long); 0 = off
+    max_seq_len: int = (
+        0  # samples (prompt + completion) longer: dropped by producers, rejected here (too_long); 0 = off
+    )
     precision: Precision = "auto"  # autocast dtype; auto = model.dtype if half; weights stay float32
     dapo: DapoSection = msgspec.field(default_factory=DapoSection)  # read when loss = "dapo"
     gspo: GspoSection = msgspec.field(default_factory=GspoSection)  # read when loss = "gspo"

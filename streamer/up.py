@@ -111,6 +111,8 @@ def _role_argv(cmd: str, cfg: RunConfig, args, *extra: str) -> list[str]:
     argv = [sys.executable, "-m", "streamer", "--log-level", args.log_level, cmd]
     if args.config:
         argv += ["--config", args.config]
+    if getattr(args, "task", None):
+        argv += ["--task", args.task]
     # the server URL (a password, perhaps) travels in the environment (URL_ENV), never in
     # argv: /proc/PID/cmdline is readable by every local user, /proc/PID/environ only by us
     argv += ["--run", cfg.run.name, "--data-dir", cfg.run.data_dir]

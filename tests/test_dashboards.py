@@ -74,7 +74,7 @@ def test_check_fails_on_unknown_label_and_missing_file(tmp_path):
 def test_rows_and_required_panels():
     board = dashboards.render()
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
-    assert rows == ["Overview", "Training", "Rollout", "Eval", "Pipeline"]
+    assert rows == ["Overview", "Training", "Rollout", "Episodes (multi-turn rollouts)", "Eval", "Pipeline"]
     exprs = " ".join(e for _, e in dashboards.queries(board))
     required = [
         "train_loss",
@@ -95,6 +95,12 @@ def test_rows_and_required_panels():
         "policy_version",
         "train_seconds_since_last_step",
         "stream_entries_added_total",
+        "rollout_turns_mean",
+        "rollout_tool_calls_total",
+        "rollout_prefix_mismatches_total",
+        "rollout_episode_seconds",
+        "rollout_in_flight_episodes",
+        "rollout_episodes_dropped_timeout_total",
     ]
     for name in required:
         assert f"streamer_{name}" in exprs, name

@@ -1,0 +1,96 @@
+"""Helpers for many rollouts in flight in one producer (anyio).
+
+- :class:`WeightGate`: engine calls share the sampler. For an in-process model
+  (``exclusive``), loading new weights waits until no call is in flight and holds new
+  ones back meanwhile (writer first), so every completion is stamped with the version
+  that really sampled it, and a multi-turn episode can see a new version between two
+  turns but never inside one. For a server, waiting for every request in flight would
+  make each new version wait for the slowest episode (the synchronous barrier async
+  training removes), so loads only exclude each other and a completion is stamped with
+  the version loaded when its request started: the older one if the server switched
+  mid-request, which errs on the stale side for admission and the staleness window.
+- :func:`blocking`: run a blocking call (Redis, a local model, httpx) in a worker thread;
+  cancelling the caller (a rollout timeout) abandons the thread's result instead of
+  waiting for it.
+- :func:`retrying`: the async twin of ``streamer.bus.retrying`` for server outages.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+
+from streamer.bus import TRANSIENT
+
+log = logging.getLogger(__name__)
+
+
+class WeightGate:
+    """A readers-writer gate: many sample calls, or one weight load."""
+
+    def __init__(self, *, exclusive: bool = True):
+        self.exclusive = exclusive
+        self._cond = anyio.Condition()
+        self._readers = 0
+        self._writing = False
+
+    @asynccontextmanager
+    async def reading(self) -> AsyncIterator[None]:
+        async with self._cond:
+            while self._writing and self.exclusive:
+                await self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                async with self._cond:
+                    self._readers -= 1
+                    self._cond.notify_all()
+
+    @asynccontextmanager
+    async def writing(self) -> AsyncIterator[None]:
+        async with self._cond:
+            while self._writing:
+                await self._cond.wait()
+            self._writing = True  # from here new readers wait
+            try:
+                while self._readers and self.exclusive:
+                    await self._cond.wait()
+            except BaseException:
+                self._writing = False
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                async with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        return self._readers
+
+
+async def blocking(fn, /, *args, limiter: anyio.CapacityLimiter | None = None, **kwargs):
+    """``fn(*args, **kwargs)`` in a worker thread; cancellation abandons it."""
+    call = functools.partial(fn, *args, **kwargs)
+    return await anyio.to_thread.run_sync(call, limiter=limiter, abandon_on_cancel=True)
+
+
+async def retrying(fn, *, what: str):
+    """Await ``fn()`` until the server answers, backing off to 5 s, logging each failure."""
+    delay = 0.1
+    while True:
+        try:
+            return await fn()
+        except TRANSIENT as e:
+            log.warning("%s: server unavailable (%s); retrying in %.1fs", what, e, delay)
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -1,0 +1,118 @@
+"""The built-in rollout, loading a rollout by import path, and checking what one returns.
+
+A rollout function is user code: whatever it returns is untrusted until
+:func:`to_sample` has checked it. An episode that is malformed (segment lengths differ,
+loss weight on tokens it did not sample, ids outside the vocabulary, NaN log-probs, a
+reward that is not a finite number) or longer than ``max_seq_len`` raises
+:class:`EpisodeRejected` with a reason from :data:`REASONS`; the producer counts it and
+the episode never reaches the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from producers.rewards import score
+from schemas import Sample, Span
+from schemas.metric_names import EPISODE_DROP_REASONS
+from streamer.errors import StreamerError
+from streamer.rollout_types import DEFAULT_ROLLOUT, Episode, Rollout, RolloutContext, Segment, load_rollout
+
+log = logging.getLogger(__name__)
+
+DEFAULT = DEFAULT_ROLLOUT
+# why an episode (or a whole rollout) was dropped: counted as rollout `episodes_dropped_{reason}`
+REASONS = EPISODE_DROP_REASONS
+
+
+class EpisodeRejected(StreamerError, ValueError):
+    """An episode that must not be trained; ``reason`` is one of :data:`REASONS`."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+async def single_turn(row: dict, ctx: RolloutContext) -> list[Episode]:
+    """Render -> sample G completions in one call -> reward each (the default rollout)."""
+    task = ctx.task
+    prompt = task.renderer.render(row)
+    completions = await ctx.sample(prompt, n=ctx.group_size)
+    out = []
+    for c in completions:
+        if not c.token_ids:
+            continue
+        try:
+            reward = score(task.reward_fn, row, task.renderer.decode(c.token_ids), c)
+        except Exception as e:  # a user function: anything it raises marks the sample failed
+            log.warning("reward %s raised %s: %s (sample dropped)", task.reward_path, type(e).__name__, e)
+            continue
+        segments = [Segment(prompt), Segment(list(c.token_ids), list(c.logprobs), c.version)]
+        out.append(Episode(segments, reward, c.finish_reason))
+    return out
+
+
+def load(path: str) -> Rollout:
+    """The rollout at import path ``path`` ("" = :func:`single_turn`)."""
+    return load_rollout(path)
+
+
+def to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int = 0) -> Sample:
+    """The wire form of a checked episode; :class:`EpisodeRejected` says what is wrong."""
+    if not isinstance(episode, Episode):
+        raise EpisodeRejected("malformed", f"rollout returned {type(episode).__name__}, not an Episode")
+    segs = episode.segments
+    if len(segs) < 2 or segs[0].sampled:
+        raise EpisodeRejected("malformed", "an episode is a prompt segment followed by at least one more")
+    tokens, logprobs, mask, spans = list(segs[0].tokens), [], [], []
+    for i, s in enumerate(segs[1:], 1):
+        _check_segment(i, s)
+        if s.sampled:
+            spans.append(Span(len(logprobs), len(logprobs) + len(s.tokens), int(s.version)))
+        tokens += s.tokens
+        logprobs += s.logprobs if s.sampled else [0.0] * len(s.tokens)
+        mask += s.weights()
+    if not tokens[len(segs[0].tokens) :] or not segs[0].tokens:
+        raise EpisodeRejected("malformed", "empty prompt or nothing after it")
+    if not spans:
+        raise EpisodeRejected("malformed", "no sampled segment")
+    ids = np.asarray(tokens, np.int64)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        raise EpisodeRejected("bad_token", f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    if not np.isfinite(np.asarray(logprobs, np.float64)).all():
+        raise EpisodeRejected("bad_logprob", "a sampled token's log-prob is NaN or infinite")
+    if max_seq_len and len(tokens) > max_seq_len:
+        raise EpisodeRejected("too_long", f"{len(tokens)} tokens > max_seq_len {max_seq_len}")
+    if not isinstance(episode.reward, (int, float)) or not math.isfinite(episode.reward):
+        raise EpisodeRejected("bad_reward", f"reward {episode.reward!r} is not a finite number")
+    single = len(spans) == 1 and spans[0].start == 0 and spans[0].end == len(logprobs)
+    return Sample.build(
+        prompt_ids=segs[0].tokens,
+        completion_ids=tokens[len(segs[0].tokens) :],
+        logprobs=logprobs,
+        reward=float(episode.reward),
+        finish_reason=episode.finish_reason if episode.finish_reason in ("stop", "length") else "stop",
+        version=min(s.version for s in spans),
+        mask=None if single and all(mask) else mask,
+        spans=None if single else spans,
+    )
+
+
+def _check_segment(i: int, s: Segment) -> None:
+    if not isinstance(s, Segment):
+        raise EpisodeRejected("malformed", f"segment {i} is {type(s).__name__}, not a Segment")
+    if s.sampled and len(s.logprobs) != len(s.tokens):
+        raise EpisodeRejected(
+            "malformed", f"segment {i}: {len(s.tokens)} tokens but {len(s.logprobs)} log-probs"
+        )
+    if s.sampled and (not isinstance(s.version, int) or s.version < 0):
+        raise EpisodeRejected("malformed", f"segment {i}: sampled without a policy version")
+    w = s.weights()
+    if len(w) != len(s.tokens) or any(x not in (0, 1) for x in w):
+        raise EpisodeRejected("malformed", f"segment {i}: mask must be one 0/1 per token")
+    if not s.sampled and any(w):
+        raise EpisodeRejected("malformed", f"segment {i}: loss weight on tokens it did not sample")

@@ -1,0 +1,213 @@
+"""Rollout functions in a producer against a real server: per-turn versions, many rows in
+flight, and rollouts that raise, hang or return garbage (dropped, counted, row handed back,
+nothing published)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from consumers.filters import is_stale
+from producers.components import build
+from producers.producer import MAX_ROW_ATTEMPTS, Producer
+from producers.rollout import single_turn
+from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
+from streamer import demo, weights
+from streamer.config import RunConfig, replace
+from streamer.errors import ConfigError
+from streamer.rollout_types import Completion, Episode, Segment, episodes
+from streamer.trajectory import Trajectory
+
+
+def _cfg(keys, redis_url, tmp_path, max_seq_len: int = 0, **producer) -> RunConfig:
+    base = {"group_size": 2, "min_group_size": 2, "max_new_tokens": 2, "torch_threads": 1}
+    return replace(
+        RunConfig(),
+        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
+        producer={**base, **producer},
+        trainer={"groups_per_step": 1000, "max_seq_len": max_seq_len},
+    )
+
+
+def _producer(cfg, client, rollout=None) -> Producer:
+    task, sampler = build(cfg)
+    return Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler, rollout=rollout)
+
+
+def _groups(client, keys) -> list[TrajectoryGroup]:
+    return [decode(f[b"d"], TrajectoryGroup) for _, f in client.xrange(keys.traj)]
+
+
+def _counters(client, keys) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for _, f in client.xrange(keys.metrics):
+        for k, v in decode(f[b"d"], MetricsEvent).values.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _no_lease_or_slot_left(client, keys) -> None:
+    assert client.zcard(keys.leases) == 0 and client.scard(keys.lease_slots) == 0
+    assert int(client.get(keys.admitted) or 0) == client.xlen(keys.traj), "an admission slot leaked"
+
+
+def test_rollout_is_named_by_import_path(keys, redis_url, tmp_path, client):
+    cfg = _cfg(keys, redis_url, tmp_path, rollout="producers.rollout:single_turn")
+    assert _producer(cfg, client).rollout is single_turn
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        _producer(_cfg(keys, redis_url, tmp_path, rollout="producers.rollout:nope"), client)
+
+
+def test_a_weight_change_between_turns_shows_both_versions_and_the_group_is_judged_by_the_older(
+    keys, redis_url, tmp_path, client
+):
+    cfg = _cfg(keys, redis_url, tmp_path)
+    uri, sha = weights.write_version(demo.build_model(seed=5), cfg.weights_dir, 1)
+
+    @episodes
+    async def two_turns(row, ctx, i):
+        t = Trajectory(ctx.task.renderer.render(row))
+        (c,) = await ctx.sample(t.next_prompt())
+        t.extend(t.next_prompt(), c)
+        if i == 0:  # the trainer publishes version 1 while episode 0 is between its turns
+            client.xadd(keys.policy, {b"d": encode(WeightSync(version=1, step=1, uri=uri, sha256=sha))})
+        t.append_messages(ctx.task.renderer, [{"role": "user", "content": "1+1="}])
+        (c2,) = await ctx.sample(t.next_prompt())
+        t.extend(t.next_prompt(), c2)
+        return t.episode(1.0 if i else 0.0)
+
+    assert _producer(cfg, client, rollout=two_turns).step() == "published"
+    (g,) = _groups(client, keys)
+    versions = {v for s in g.samples for v in s.token_versions().tolist() if v >= 0}
+    assert versions == {0, 1}, "both versions are recorded, per turn"
+    assert g.policy_version == 0 and min(s.version for s in g.samples) == 0
+    assert is_stale(g, version=2, max_staleness=1), "judged by its oldest turn"
+    for s in g.samples:  # the environment's message is in the context with weight 0
+        assert (s.loss_mask()[s.token_versions() < 0] == 0).all() and s.spans is not None
+
+
+def test_rows_in_flight_at_once_each_with_a_lease_and_a_slot(keys, redis_url, tmp_path, client):
+    n = 4
+    cfg = _cfg(keys, redis_url, tmp_path, concurrency=n, max_groups=8)
+    state = {"in": 0, "peak": 0}
+
+    async def gathered(row, ctx):
+        state["in"] += 1
+        state["peak"] = max(state["peak"], state["in"])
+        with anyio.fail_after(30):  # the first n rows wait for each other: n really in flight
+            while state["peak"] < n:
+                await anyio.sleep(0.01)
+        try:
+            return await single_turn(row, ctx)
+        finally:
+            state["in"] -= 1
+
+    p = _producer(cfg, client, rollout=gathered)
+    assert p.run() == 0
+    groups = _groups(client, keys)
+    assert state["peak"] == n and len(groups) == 8 and len({g.group_id for g in groups}) == 8
+    assert max(_metric_values(client, keys, "in_flight_episodes")) >= 2
+    _no_lease_or_slot_left(client, keys)
+
+
+def _metric_values(client, keys, name):
+    return [decode(f[b"d"], MetricsEvent).values.get(name, 0.0) for _, f in client.xrange(keys.metrics)]
+
+
+def test_a_rollout_that_raises_hands_its_row_back_and_is_skipped_after_repeated_failures(
+    keys, redis_url, tmp_path, client, caplog
+):
+    async def broken(row, ctx):
+        raise RuntimeError("environment crashed")
+
+    p = _producer(_cfg(keys, redis_url, tmp_path), client, rollout=broken)
+    outcomes = [p.step() for _ in range(MAX_ROW_ATTEMPTS)]
+    assert outcomes == ["failed"] * MAX_ROW_ATTEMPTS
+    assert client.llen(keys.requeue) == 0 and int(client.get(keys.cursor)) == 1, "one row, retried"
+    assert "raised RuntimeError: environment crashed; row handed back" in caplog.text
+    assert "row skipped" in caplog.text and "row " in caplog.text
+    p._flush_metrics()
+    assert _counters(client, keys)["episodes_dropped_error"] == 2 * MAX_ROW_ATTEMPTS
+    assert client.xlen(keys.traj) == 0
+    _no_lease_or_slot_left(client, keys)
+
+
+def test_a_hung_rollout_is_cancelled_and_its_row_handed_back(keys, redis_url, tmp_path, client):
+    async def hangs(row, ctx):
+        await anyio.sleep_forever()
+
+    p = _producer(_cfg(keys, redis_url, tmp_path, rollout_timeout=0.3), client, rollout=hangs)
+    assert p.step() == "failed"
+    assert client.lrange(keys.requeue, 0, -1) == [b"0"], "the row is first in line again"
+    p._flush_metrics()
+    assert _counters(client, keys)["episodes_dropped_timeout"] == 2
+    _no_lease_or_slot_left(client, keys)
+
+
+def test_malformed_episodes_are_dropped_with_reasons_and_never_published(keys, redis_url, tmp_path, client):
+    bad = [
+        Episode([Segment([1]), Segment([2, 3], [-0.1], 0)], 1.0),  # lengths differ
+        Episode([Segment([1]), Segment([2], [-0.1], 0), Segment([3], mask=[1])], 1.0),  # unsampled trained
+        Episode([Segment([1]), Segment([10**6], [-0.1], 0)], 1.0),  # outside the vocabulary
+        Episode([Segment([1]), Segment([2], [float("nan")], 0)], 1.0),  # NaN log-prob
+        Episode([Segment([1] * 30), Segment([2], [-0.1], 0)], 1.0),  # > max_seq_len
+    ]
+
+    async def garbage(row, ctx):
+        return bad
+
+    p = _producer(_cfg(keys, redis_url, tmp_path, max_seq_len=20, group_size=5), client, rollout=garbage)
+    assert p.step() == "dropped"
+    c = _counters(client, keys)
+    assert c["episodes_dropped_malformed"] == 2 and c["episodes_dropped_bad_token"] == 1
+    assert c["episodes_dropped_bad_logprob"] == 1 and c["episodes_dropped_too_long"] == 1
+    assert client.xlen(keys.traj) == 0
+    _no_lease_or_slot_left(client, keys)
+    good = Episode([Segment([1]), Segment([2], [-0.1], 0)], 1.0)
+
+    async def mixed(row, ctx):
+        return [*bad[:3], good, good]
+
+    p = _producer(_cfg(keys, redis_url, tmp_path, group_size=5), client, rollout=mixed)
+    assert p.step() == "published"  # the good ones are enough for min_group_size
+    (g,) = _groups(client, keys)
+    assert len(g.samples) == 2
+
+
+def test_a_prefix_mismatch_is_counted_and_never_trained(keys, redis_url, tmp_path, client, caplog):
+    async def rerenders(row, ctx):
+        t = Trajectory(ctx.task.renderer.render(row))
+        (c,) = await ctx.sample(t.next_prompt())
+        t.extend(t.next_prompt(), c)
+        t.extend(ctx.task.renderer.render(row), c)  # the history re-rendered without turn 1
+        return [t.episode(1.0)]
+
+    p = _producer(_cfg(keys, redis_url, tmp_path), client, rollout=rerenders)
+    assert p.step() == "failed"
+    p._flush_metrics()
+    assert _counters(client, keys)["prefix_mismatches"] == 1 and client.xlen(keys.traj) == 0
+    assert "prompt diverges from the trajectory at token" in caplog.text
+
+
+def test_concurrent_engine_calls_on_a_local_model_are_batched():
+    from streamer.batching import MicroBatcher
+
+    calls = []
+
+    async def run_batch(prompts, **kw):
+        calls.append(len(prompts))
+        return [[Completion([p[0]], [-1.0], "stop")] for p in prompts]
+
+    batcher = MicroBatcher(run_batch)
+    got = {}
+
+    async def one(i):
+        got[i] = await batcher.sample([i], n=1, temperature=1.0, top_p=1.0, max_new_tokens=1)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, i)
+
+    anyio.run(main)
+    assert calls == [6] and all(got[i][0].token_ids == [i] for i in range(6))
