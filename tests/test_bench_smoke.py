@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RATIO = re.compile(r"^ratios: (\S+=\d+\.\d\dx.*)$")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "expected"),
     [

@@ -176,6 +176,7 @@ def test_trim_removes_only_what_every_group_acknowledged(client, keys):
     assert remaining == ["g4", "g5"]
 
 
+@pytest.mark.slow
 def test_unix_socket_and_password(tmp_path):
     from streamer.server import EmbeddedServer
 
@@ -187,6 +188,7 @@ def test_unix_socket_and_password(tmp_path):
             connect(server.url.replace("s3cret", "wrong"))
 
 
+@pytest.mark.slow
 def test_consumer_survives_a_server_restart_with_aof(private_valkey, keys):
     client = connect(private_valkey.url, socket_timeout=5.0)
     pub = Publisher(client, keys, FAST)

@@ -61,6 +61,7 @@ def test_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "absent.toml")
 
 
+@pytest.mark.slow
 def test_cli_exits_2_with_one_line_naming_the_key(tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text("[trainer]\nmax_staleness = -1\n")

@@ -217,6 +217,7 @@ def test_producer_label_is_bounded(exporter, client, keys, monkeypatch):
     assert labels == {"p0": 1, "p1": 1, "other": 3}
 
 
+@pytest.mark.slow
 def test_cli_serves_healthz_and_exits_0_on_sigterm(redis_url, keys, client, tmp_path):
     port = free_port()
     Publisher(client, keys, RunConfig().bus).publish(keys.metrics, ev("eval", 1, "eval", accuracy=1.0))
@@ -266,6 +267,7 @@ def _wait_healthz(port: int, proc: subprocess.Popen) -> dict:
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_survives_a_server_restart(private_valkey):
     keys = Keys("restart")
     ex = Exporter(make_cfg(private_valkey.url, keys.run))

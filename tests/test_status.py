@@ -107,6 +107,7 @@ def test_idle_run_is_not_stalled_and_a_run_without_versions_is(client, keys):
         client.delete(fresh.traj)
 
 
+@pytest.mark.slow
 def test_empty_run_and_password_is_never_printed(tmp_path, capsys):
     server = EmbeddedServer(tmp_path / "valkey", password="s3cret-pw").start()
     try:

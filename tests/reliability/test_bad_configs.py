@@ -12,8 +12,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from harness import report
 from trainer_data import REPO
+
+pytestmark = pytest.mark.slow  # every case is a CLI process
 
 CLOSED = "redis://127.0.0.1:1/0"
 
