@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from harness import keep_everything, report, run_config, wait_for
+from needs import need, need_tool
 from trainer_data import REPO
 
 from streamer import models
@@ -95,9 +95,8 @@ def acl_valkey(tmp_path):
 @pytest.fixture
 def tls_redis(tmp_path):
     """Debian redis-server with TLS only (no plain port), a self-signed cert, the ACL user."""
-    server, openssl = shutil.which("redis-server"), shutil.which("openssl")
-    if not server or not openssl:
-        pytest.skip("TLS test needs redis-server (apt-get install redis-server) and openssl")
+    server = need_tool("redis-server", "apt-get install -y redis-server")
+    openssl = need_tool("openssl", "apt-get install -y openssl")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         [
@@ -151,7 +150,7 @@ def tls_redis(tmp_path):
     try:
         proc = _server(argv, url, log)
     except AssertionError:
-        pytest.skip(f"redis-server could not serve TLS here: {log.read_text()[-300:]}")
+        need(False, f"redis-server could not serve TLS here: {log.read_text()[-300:]}")
     yield url, cert
     proc.kill()
     proc.wait()
@@ -182,6 +181,7 @@ def _listening_address(port: int) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_acl_user_on_valkey_and_redacted_errors(acl_valkey, tmp_path):
     url = f"redis://streamer:{SECRET}@127.0.0.1:{acl_valkey}/0"
     client = connect(url)
@@ -204,6 +204,7 @@ def test_acl_user_on_valkey_and_redacted_errors(acl_valkey, tmp_path):
     report("security-acl", auth_failures_clear=len(lines), secret_in_output=0, confined_to_prefix=True)
 
 
+@pytest.mark.slow
 def test_tls_and_acl_for_real_processes_without_leaking_the_secret(tls_redis, procs, inference, tmp_path):
     url, cert = tls_redis
     client = connect(url)
