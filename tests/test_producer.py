@@ -29,13 +29,19 @@ from streamer.config import RunConfig, replace
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _wait_for(cond, timeout: float, what: str):
+def _wait_for(cond, timeout: float, what: str, procs: dict | None = None, tmp_path: Path | None = None):
+    """Until ``cond``; fail on timeout, or at once when one of ``procs`` (id -> Popen, logging
+    to ``tmp_path/<id>.log``) exited, with its exit code and log tail."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := cond():
-            return value
+    while not (value := cond()):
+        for pid, proc in (procs or {}).items():
+            if proc.poll() is not None:
+                log = (tmp_path / f"{pid}.log").read_text()[-3000:]
+                raise AssertionError(f"{pid} exited with code {proc.returncode} waiting for {what}:\n{log}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return value
 
 
 def _cfg(keys, redis_url, tmp_path, **sections) -> RunConfig:
@@ -231,9 +237,17 @@ def test_three_processes_cover_each_epoch_exactly_once(client, keys, redis_url, 
     gate = Admission(client, keys, max_staleness=0, groups_per_step=1)
     gate.publish_limits(max_staleness=0, groups_per_step=0)
     procs = {pid: _spawn(config, pid, tmp_path) for pid in ("a", "b", "c")}
-    # admission is shut: each claims a row and waits, so all three take part
-    _wait_for(lambda: set(client.hvals(keys.lease_owner)) == {b"a", b"b", b"c"}, 90, "3 producers with a row")
-    assert client.zcard(keys.producers) == 3  # heartbeats
+    # admission is shut: each claims a row and waits, so all three take part (and each
+    # heartbeat thread has written its first beat)
+    _wait_for(
+        lambda: (
+            set(client.hvals(keys.lease_owner)) == {b"a", b"b", b"c"} and client.zcard(keys.producers) == 3
+        ),
+        90,
+        "3 producers with a row and a heartbeat",
+        procs,
+        tmp_path,
+    )
     gate.publish_limits(max_staleness=0, groups_per_step=100)
     assert [_exit(p, tmp_path, pid) for pid, p in procs.items()] == [0, 0, 0]
     groups = _groups(client, keys)
@@ -292,6 +306,7 @@ def test_sigterm_hands_the_row_back_within_the_grace_period(client, keys, redis_
     assert int(client.get(keys.admitted) or 0) == 0
 
 
+@pytest.mark.slow
 def test_a_bad_dataset_line_is_named(keys, redis_url, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 3}\n')

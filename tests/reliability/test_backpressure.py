@@ -37,10 +37,13 @@ def test_run_completes_under_backpressure_with_rare_checkpoints(redis_url, keys,
     args = ("--config", str(config), "--redis-url", redis_url)
     for i in range(PRODUCERS):
         procs.start(f"producer-{i}", "produce", *args, "--id", f"p{i}")
-    wait_for(
-        lambda: unacked(client, keys.traj) >= MAX_UNACKED,
+    wait_for(  # the trainer starts only once a producer is held back
+        lambda: (
+            unacked(client, keys.traj) >= MAX_UNACKED
+            and any("backpressure:" in procs.log(f"producer-{i}") for i in range(PRODUCERS))
+        ),
         timeout=90,
-        what="producers filling the stream up to max_unacked",
+        what="producers filling the stream up to max_unacked and waiting",
         logs=procs,
     )
     peak, done = [0], threading.Event()
