@@ -33,7 +33,7 @@ def test_bench_quick_prints_ratios(script, expected):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,  # a bound for a hung script, not a speed check: --quick takes seconds
     )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     last = proc.stdout.strip().splitlines()[-1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -75,7 +76,8 @@ def test_table_for_people(client, keys, redis_url, capsys):
     assert "7 of 14 slots held; 4 groups wait" in out  # (1 + 5 + 1) * 2
     (traj,) = [ln.split() for ln in lines if ln.strip().startswith("traj ")]
     assert traj == ["traj", "4", "4", "trainer", "3", "1", "1"]
-    assert any(ln.split()[:2] == ["host-2", "2m00s"] and ln.endswith("gone") for ln in lines), out
+    # seeded 120 s before the call; the seconds digit tolerates a slow machine between the two
+    assert any(re.fullmatch(r"host-2 +2m0\ds .*gone", ln.strip()) for ln in lines), out
     assert "dead letters 3" in out and "malformed msgpack" in out
     assert lines[-1] == "status      ok"
 
