@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from bounds import RUN, START
 from trainer_data import make_group, policy_versions, publish, start_trainer, wait_until, write_config
 
 from consumers import checkpoint
@@ -168,7 +169,7 @@ def test_sigkill_at_random_points_trains_each_group_exactly_once(private_valkey,
             lambda target=target, kill=kill: (
                 client.xlen(keys.policy) >= target and (kill > 0 or checkpoint.latest(ckpt_dir) is not None)
             ),
-            timeout=90,
+            timeout=START,
             what=f"{target} weight syncs" + ("" if kill else " and a checkpoint"),
             proc=proc,
             log=log,
@@ -185,7 +186,7 @@ def test_sigkill_at_random_points_trains_each_group_exactly_once(private_valkey,
 
     restores += checkpoint.latest(ckpt_dir) is not None
     proc = start_trainer(config, private_valkey.url, log)
-    assert proc.wait(120) == 0, log.read_text()[-3000:]
+    assert proc.wait(RUN) == 0, log.read_text()[-3000:]
     trained = _trained(ckpt_dir)
     assert sorted(trained) == sorted(g.group_id for g in good), "a group was lost or trained twice"
     assert not {g.group_id for g in bad} & set(trained)

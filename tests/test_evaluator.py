@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounds import START
 
 from consumers.evaluator import Evaluator
 from producers.components import load_task, local_sampler
@@ -118,7 +119,7 @@ def test_streamer_eval_follows_versions_and_stops_on_sigterm(client, keys, redis
         )
     cfg = replace(RunConfig(), run={"name": keys.run, "data_dir": str(tmp_path)})
     try:
-        _wait_for(lambda: _steps(client, keys) == [0], 90, "version 0 evaluated", tmp_path, proc)
+        _wait_for(lambda: _steps(client, keys) == [0], START, "version 0 evaluated", tmp_path, proc)
         _sync(client, keys, cfg, 1)
         _wait_for(lambda: _steps(client, keys) == [0, 1], 60, "version 1 evaluated", tmp_path, proc)
         proc.send_signal(signal.SIGTERM)

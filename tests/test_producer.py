@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounds import RUN, START
 
 from producers.components import Task, build
 from producers.dataset import Order
@@ -216,7 +217,7 @@ def _spawn(config: Path, pid: str, tmp_path: Path) -> subprocess.Popen:
         )
 
 
-def _exit(proc: subprocess.Popen, tmp_path: Path, pid: str, timeout: float = 90) -> int:
+def _exit(proc: subprocess.Popen, tmp_path: Path, pid: str, timeout: float = RUN) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -243,7 +244,7 @@ def test_three_processes_cover_each_epoch_exactly_once(client, keys, redis_url, 
         lambda: (
             set(client.hvals(keys.lease_owner)) == {b"a", b"b", b"c"} and client.zcard(keys.producers) == 3
         ),
-        90,
+        START,
         "3 producers with a row and a heartbeat",
         procs,
         tmp_path,
@@ -272,7 +273,7 @@ def test_a_sigkilled_producers_row_is_handed_out_again(client, keys, redis_url, 
             lease_seconds=1.0,
         )
         victim = _spawn(config, "victim", tmp_path)
-        assert server.started.wait(60), (tmp_path / "victim.log").read_text()
+        assert server.started.wait(START), (tmp_path / "victim.log").read_text()
         (ticket,) = [int(t) for t, owner in client.hgetall(keys.lease_owner).items() if owner == b"victim"]
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=10)
@@ -294,7 +295,7 @@ def test_sigterm_hands_the_row_back_within_the_grace_period(client, keys, redis_
             tmp_path, keys, redis_url, sampler="remote", remote_url=server.url, shutdown_grace=1.0
         )
         proc = _spawn(config, "p", tmp_path)
-        assert server.started.wait(60), (tmp_path / "p.log").read_text()
+        assert server.started.wait(START), (tmp_path / "p.log").read_text()
         assert client.zscore(keys.producers, "p") is not None
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -317,7 +318,7 @@ def test_a_bad_dataset_line_is_named(keys, redis_url, tmp_path):
         text=True,
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=60,
+        timeout=START,
     )
     assert out.returncode == 2, out.stderr
     assert f"{bad}:2: `prompt` must be a non-empty string" in out.stderr

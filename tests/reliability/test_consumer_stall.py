@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounds import RUN, START
 from harness import audit, keep_everything, report, run_config, wait_for
 
 from streamer.bus import connect
@@ -107,10 +108,10 @@ def test_trainer_stalled_past_claim_idle_trains_its_entries_once(redis_url, keys
     args = ("--config", str(config), "--redis-url", redis_url)
     procs.start("producer", "produce", *args, "--id", "p0")
     trainer = procs.start("trainer", "train", *args)
-    wait_for(lambda: client.xlen(keys.policy) >= 3, timeout=120, what="2 trainer steps", logs=procs)
+    wait_for(lambda: client.xlen(keys.policy) >= 3, timeout=START, what="2 trainer steps", logs=procs)
     alone = _stall(trainer, client, keys, procs, standby=False)
     taken = _stall(trainer, client, keys, procs, standby=True)
-    assert procs.wait("trainer", 180) == 0, procs.tails()
+    assert procs.wait("trainer", RUN) == 0, procs.tails()
     assert procs.stop("producer") == 0, procs.tails()
 
     result = audit(client, keys, tmp_path / "data" / keys.run / "checkpoints", TrainerSection(**TRAINER))

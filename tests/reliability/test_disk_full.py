@@ -16,6 +16,7 @@ import subprocess
 import uuid
 
 import pytest
+from bounds import RUN, START
 from harness import report, run_config, wait_for
 from needs import need
 from trainer_data import make_group, publish
@@ -136,13 +137,13 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
     procs.start("trainer", "train", *args)
     wait_for(
         lambda: checkpoint.latest(ckpt_dir) is not None and unacked(client, keys.traj) == 0,
-        timeout=120,
+        timeout=START,
         what="the step-2 checkpoint, everything acknowledged",
         logs=procs,
     )
     _fill(small_disk, leave=LEAVE)
     publish(client, keys.traj, groups[4:12])
-    code = procs.wait("trainer", 120)
+    code = procs.wait("trainer", RUN)
     full = _after_failure(ckpt_dir, weights_dir, client, keys, procs.log("trainer"), code, temp_ok=False)
     assert "cannot write checkpoint" in full["error"] and "No space left on device" in full["error"]
 
@@ -157,7 +158,7 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
         lambda: (
             checkpoint.latest(ckpt_dir)[1].name != full["latest_loads"] and unacked(client, keys.traj) == 0
         ),
-        timeout=120,
+        timeout=START,
         what="a checkpoint after the resume, everything acknowledged",
         logs=procs,
     )
@@ -168,7 +169,7 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
         what="remounting read-only (busy while a file is open for writing)",
     )
     publish(client, keys.traj, groups[12:])
-    code = procs.wait("trainer", 120)
+    code = procs.wait("trainer", RUN)
     log = procs.log("trainer")[mark:]
     ro = _after_failure(ckpt_dir, weights_dir, client, keys, log, code, temp_ok=True)
     report("trainer-disk", disk_full=full, read_only=ro, lost=0, duplicated=0, crashed=0)

@@ -14,6 +14,7 @@ import time
 from collections import Counter
 
 import pytest
+from bounds import RUN, START
 from harness import report, run_config, wait_for
 
 from schemas import TrajectoryGroup, decode
@@ -69,7 +70,7 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
             lambda n=held_before + victims, names=names: (
                 len(backend.held) >= n and _holding(client, keys, names)
             ),
-            timeout=90,
+            timeout=START,
             what=f"wave {wave}: {victims} producers stuck mid-row",
             logs=procs,
         )
@@ -85,7 +86,7 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
 
     backend.open()
     procs.start("heir", "produce", "--config", str(config), "--redis-url", redis_url, "--id", "heir")
-    assert procs.wait("heir", 120) == 0, procs.tails()
+    assert procs.wait("heir", RUN) == 0, procs.tails()
 
     entries = client.xrange(keys.traj)
     groups = [decode(f[FIELD], TrajectoryGroup) for _, f in entries]

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from bounds import RUN, START
 from harness import keep_everything, report, run_config, wait_for
 from needs import need, need_tool
 from trainer_data import REPO
@@ -225,9 +226,9 @@ def test_tls_and_acl_for_real_processes_without_leaking_the_secret(tls_redis, pr
     )
     for name, role in (("trainer", "train"), ("producer", "produce"), ("metrics", "metrics")):
         procs.start(name, role, "--config", str(config), log_level="DEBUG")
-    assert procs.wait("producer", 120) == 0, procs.tails()
-    assert procs.wait("trainer", 120) == 0, procs.tails()
-    wait_for(lambda: _listening_address(port), timeout=30, what="the exporter listening", logs=procs)
+    assert procs.wait("producer", RUN) == 0, procs.tails()
+    assert procs.wait("trainer", RUN) == 0, procs.tails()
+    wait_for(lambda: _listening_address(port), timeout=START, what="the exporter listening", logs=procs)
     bound = _listening_address(port)
     page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     table = _cli("status", "--config", str(config), cwd=tmp_path)

@@ -18,6 +18,7 @@ import time
 
 import pytest
 import redis
+from bounds import RUN, START
 from harness import (
     audit,
     keep_everything,
@@ -113,11 +114,11 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
     writer.start()
     # the evaluator first (it loads a model, then scores version 0); then the rest
     procs.start("eval", "eval", "--config", str(config), "--redis-url", url)
-    wait_for(lambda: _evaluated(client, keys), timeout=120, what="the evaluator's first score", logs=procs)
+    wait_for(lambda: _evaluated(client, keys), timeout=START, what="the evaluator's first score", logs=procs)
     _start_pipeline(procs, url, config, free_port())
     wait_for(
         lambda: client.xlen(keys.policy) >= 4 and set(NAMES.values()) <= _client_names(client),
-        timeout=120,
+        timeout=START,
         what="3 trainer steps and every process connected",
         logs=procs,
     )
@@ -133,8 +134,8 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
         for role in [r for r, n in NAMES.items() if n in _client_names(client) and r not in reconnect]:
             reconnect[role] = round(time.monotonic() - restarted, 2)
         time.sleep(0.05)
-    assert procs.wait("trainer", 180) == 0, procs.tails()
-    assert procs.wait("producer", 120) == 0, procs.tails()
+    assert procs.wait("trainer", RUN) == 0, procs.tails()
+    assert procs.wait("producer", RUN) == 0, procs.tails()
     writer.done.set()
     writer.join(5)
     exits = {name: procs.stop(name) for name in ("eval", "metrics")}
@@ -215,7 +216,7 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
     names = {r: n for r, n in NAMES.items() if r != "eval"}
     wait_for(
         lambda: client.xlen(keys.policy) >= 3 and set(names.values()) <= _client_names(client),
-        timeout=120,
+        timeout=START,
         what="2 trainer steps and every process connected",
         logs=procs,
     )
@@ -235,7 +236,7 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
         logs=procs,
     )
     continued_after = round(time.monotonic() - resumed, 2)
-    assert procs.wait("trainer", 180) == 0, procs.tails()
+    assert procs.wait("trainer", RUN) == 0, procs.tails()
     exits = {name: procs.stop(name) for name in ("producer", "metrics")}
 
     outage_logs = {n: procs.log(n)[marks[n] :] for n in names}

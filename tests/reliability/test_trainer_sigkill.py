@@ -13,6 +13,7 @@ import random
 import time
 
 import pytest
+from bounds import RUN, START
 from harness import (
     audit,
     keep_everything,
@@ -61,7 +62,7 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
                 (client.xlen(keys.policy) >= t and (k > 0 or checkpoint.latest(ckpt_dir) is not None))
                 or p.poll() is not None
             ),
-            timeout=120,
+            timeout=START,
             what=f"kill {kill}: {target} policy versions" + ("" if kill else " and a checkpoint"),
             logs=procs,
         )
@@ -75,7 +76,7 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
 
     restores += checkpoint.latest(ckpt_dir) is not None
     procs.start("trainer", "train", "--config", str(config), "--redis-url", url)
-    assert procs.wait("trainer", 180) == 0, procs.tails()
+    assert procs.wait("trainer", RUN) == 0, procs.tails()
     assert procs.stop("producer") == 0, procs.tails()
 
     result = audit(client, keys, ckpt_dir, TrainerSection(**TRAINER))
