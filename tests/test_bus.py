@@ -42,7 +42,7 @@ def consumer(client, keys, name="c1", cfg=FAST) -> Consumer:
     return Consumer(client, keys, keys.traj, TRAINER_GROUP, name, as_type=TrajectoryGroup, cfg=cfg)
 
 
-def read_all(c: Consumer, n: int, timeout: float = 5.0) -> list:
+def read_all(c: Consumer, n: int, timeout: float = 30.0) -> list:  # a bound for hangs
     got, deadline = [], time.monotonic() + timeout
     while len(got) < n:
         assert time.monotonic() < deadline, f"read {len(got)} of {n} entries within {timeout}s"
@@ -90,7 +90,7 @@ def test_idle_entries_of_a_dead_consumer_are_claimed(client, keys):
     dead = consumer(client, keys, "dead")
     read_all(dead, 3)  # never acknowledged: its process is gone
     live = consumer(client, keys, "live")
-    claimed = read_all(live, 3, timeout=5.0)  # after claim_idle_seconds
+    claimed = read_all(live, 3)  # after claim_idle_seconds
     assert sorted(d.event.group_id for d in claimed) == ["g0", "g1", "g2"]
     pending = client.xpending(keys.traj, TRAINER_GROUP)
     assert [(c["name"], c["pending"]) for c in pending["consumers"]] == [(b"live", 3)]

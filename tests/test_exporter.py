@@ -57,7 +57,7 @@ def axis_series(samples: dict) -> dict:
 
 def drain(ex: Exporter, expect_events: int) -> None:
     """Consume until the exporter has applied ``expect_events`` in all (bounded)."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while sum(ex.state.events.values()) < expect_events:
         assert time.monotonic() < deadline, f"applied {ex.state.events}, expected {expect_events} events"
         ex.consume(block=0.1)
