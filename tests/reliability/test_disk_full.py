@@ -155,8 +155,10 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
     mark = len(procs.log("trainer"))
     procs.start("trainer", "train", *args)
     wait_for(
-        lambda: (
-            checkpoint.latest(ckpt_dir)[1].name != full["latest_loads"] and unacked(client, keys.traj) == 0
+        lambda: (  # latest() is None for a moment while the trainer prunes the old one
+            (latest := checkpoint.latest(ckpt_dir)) is not None
+            and latest[1].name != full["latest_loads"]
+            and unacked(client, keys.traj) == 0
         ),
         timeout=START,
         what="a checkpoint after the resume, everything acknowledged",

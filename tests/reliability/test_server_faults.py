@@ -34,6 +34,7 @@ from streamer.config import TrainerSection
 from streamer.keys import Keys
 from streamer.server import EmbeddedServer, free_port
 
+LOSS_WINDOW = 4.0  # s: valkey's AOF write postponement (< 2 s of its 1 s clock) plus slack
 TRAINER = {"groups_per_step": 2, "checkpoint_every": 2, "max_staleness": 1000}
 NAMES = {
     "trainer": "streamer-trainer",
@@ -51,6 +52,7 @@ class AckedWriter(threading.Thread):
         self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.stream, self.interval = stream, interval
         self.acked: list[bytes] = []
+        self.acked_at: list[float] = []  # time.monotonic() of each acknowledgement
         self.failed = 0
         self.done = threading.Event()
 
@@ -60,13 +62,18 @@ class AckedWriter(threading.Thread):
             n += 1
             try:
                 self.acked.append(self.client.xadd(self.stream, {"n": n}))
+                self.acked_at.append(time.monotonic())
             except redis.exceptions.RedisError:
                 self.failed += 1  # not acknowledged: may or may not be there
             self.done.wait(self.interval)
 
     def missing(self, client) -> int:
+        return len(self.missing_acked_at(client))
+
+    def missing_acked_at(self, client) -> list[float]:
+        """When each acknowledged but missing write was acknowledged (time.monotonic())."""
         present = {i for i, _ in client.xrange(self.stream)}
-        return sum(i not in present for i in self.acked)
+        return [t for i, t in zip(self.acked, self.acked_at) if i not in present]
 
 
 def _start_pipeline(procs, url: str, config, port: int) -> None:
@@ -170,18 +177,24 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
 def test_appendfsync_everysec_loss_is_counted(tmp_path):
     """A process crash (SIGKILL) of a server with everysec: count acknowledged writes lost."""
     server = EmbeddedServer(tmp_path / "v", appendfsync="everysec").start()
-    lost, acked, rounds = [], 0, 3
+    lost, acked, rounds, writers, ages = [], 0, 3, [], []
     try:
         for r in range(rounds):
             writer = AckedWriter(server.url, f"everysec:{r}", interval=0.0)
             writer.start()
             wait_for(lambda w=writer: len(w.acked) >= 2000, timeout=30, what="2000 acknowledged writes")
+            killed_at = time.monotonic()
             server.kill()  # mid-stream: the writer is sending as fast as it can
             writer.done.set()
             writer.join(5)
             server.start()
-            lost.append(writer.missing(connect(server.url)))
+            missing = writer.missing_acked_at(connect(server.url))
+            lost.append(len(missing))
+            ages.append(round(max((killed_at - t for t in missing), default=0.0), 2))
             acked += len(writer.acked)
+            writers.append(writer)
+        client = connect(server.url)
+        lost_later = [w.missing(client) - n for w, n in zip(writers, lost)]
     finally:
         server.stop()
     report(
@@ -189,11 +202,15 @@ def test_appendfsync_everysec_loss_is_counted(tmp_path):
         kills=rounds,
         acked_writes=acked,
         acked_writes_lost=lost,
+        oldest_lost_acked_seconds_before_kill=ages,
         note="SIGKILL of the process only; an OS crash can lose up to ~1 s of writes",
     )
-    # docs/RELIABILITY.md: valkey write()s the AOF before it replies, so a process kill
-    # (not an OS crash) loses no acknowledged write even with everysec
-    assert lost == [0] * rounds, f"acknowledged writes lost per kill: {lost}"
+    # valkey write()s the AOF before replying, except while a slow background fsync runs
+    # (a busy disk): then it postpones the write for up to 2 s (whole seconds of its clock)
+    # and replies meanwhile. Seen once at load 15: 2,068 of a round lost. What holds: only
+    # writes acknowledged in the last few seconds can go, and a later kill loses no older one.
+    assert max(ages) < LOSS_WINDOW, f"lost writes acknowledged {ages} s before the kill: {lost}"
+    assert lost_later == [0] * rounds, f"writes of earlier rounds lost by later kills: {lost_later}"
 
 
 @pytest.mark.slow
