@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RATIO = re.compile(r"^ratios: (\S+=\d+\.\d\dx.*)$")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "expected"),
     [
@@ -33,7 +34,7 @@ def test_bench_quick_prints_ratios(script, expected):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,  # a bound for a hung script, not a speed check: --quick takes seconds
     )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     last = proc.stdout.strip().splitlines()[-1]

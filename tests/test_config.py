@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from bounds import START
 
 from streamer.config import ConfigError, RunConfig, load_config, parse_config
 from streamer.configdoc import render
@@ -61,6 +62,7 @@ def test_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "absent.toml")
 
 
+@pytest.mark.slow
 def test_cli_exits_2_with_one_line_naming_the_key(tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text("[trainer]\nmax_staleness = -1\n")
@@ -68,7 +70,7 @@ def test_cli_exits_2_with_one_line_naming_the_key(tmp_path):
         [sys.executable, "-m", "streamer", "smoke", "--config", str(p)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=START,
     )
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [

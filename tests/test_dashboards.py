@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import yaml
 
 from consumers.exporter import SERIES
 
@@ -121,7 +121,6 @@ def test_series_follow_prometheus_naming():
 
 
 def test_grafana_provisioning_files():
-    yaml = pytest.importorskip("yaml", reason="PyYAML is needed to parse the provisioning files")
     prov = ROOT / "ops" / "grafana" / "provisioning"
     ds = yaml.safe_load((prov / "datasources" / "streamer.yaml").read_text())
     assert ds["apiVersion"] == 1

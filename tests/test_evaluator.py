@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounds import START
 
 from consumers.evaluator import Evaluator
 from producers.components import load_task, local_sampler
@@ -118,9 +119,9 @@ def test_streamer_eval_follows_versions_and_stops_on_sigterm(client, keys, redis
         )
     cfg = replace(RunConfig(), run={"name": keys.run, "data_dir": str(tmp_path)})
     try:
-        _wait_for(lambda: _steps(client, keys) == [0], 90, "version 0 evaluated", tmp_path)
+        _wait_for(lambda: _steps(client, keys) == [0], START, "version 0 evaluated", tmp_path, proc)
         _sync(client, keys, cfg, 1)
-        _wait_for(lambda: _steps(client, keys) == [0, 1], 60, "version 1 evaluated", tmp_path)
+        _wait_for(lambda: _steps(client, keys) == [0, 1], 60, "version 1 evaluated", tmp_path, proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
@@ -128,10 +129,15 @@ def test_streamer_eval_follows_versions_and_stops_on_sigterm(client, keys, redis
             proc.kill()
 
 
-def _wait_for(cond, timeout, what, tmp_path):
+def _wait_for(cond, timeout, what, tmp_path, proc):
+    """Until ``cond``; fail with the log tail on timeout, or at once if ``proc`` exited."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
+    while not cond():
+        if (code := proc.poll()) is not None and not cond():
+            log = (tmp_path / "eval.log").read_text()[-3000:]
+            raise AssertionError(f"`streamer eval` exited with code {code} waiting for {what}:\n{log}")
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out waiting for {what}:\n{(tmp_path / 'eval.log').read_text()[-3000:]}"
+            )
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}:\n{(tmp_path / 'eval.log').read_text()[-3000:]}")

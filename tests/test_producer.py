@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounds import RUN, START
 
 from producers.components import Task, build
 from producers.dataset import Order
@@ -29,13 +30,19 @@ from streamer.config import RunConfig, replace
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _wait_for(cond, timeout: float, what: str):
+def _wait_for(cond, timeout: float, what: str, procs: dict | None = None, tmp_path: Path | None = None):
+    """Until ``cond``; fail on timeout, or at once when one of ``procs`` (id -> Popen, logging
+    to ``tmp_path/<id>.log``) exited, with its exit code and log tail."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := cond():
-            return value
+    while not (value := cond()):
+        for pid, proc in (procs or {}).items():
+            if proc.poll() is not None:
+                log = (tmp_path / f"{pid}.log").read_text()[-3000:]
+                raise AssertionError(f"{pid} exited with code {proc.returncode} waiting for {what}:\n{log}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return value
 
 
 def _cfg(keys, redis_url, tmp_path, **sections) -> RunConfig:
@@ -210,7 +217,7 @@ def _spawn(config: Path, pid: str, tmp_path: Path) -> subprocess.Popen:
         )
 
 
-def _exit(proc: subprocess.Popen, tmp_path: Path, pid: str, timeout: float = 90) -> int:
+def _exit(proc: subprocess.Popen, tmp_path: Path, pid: str, timeout: float = RUN) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -231,9 +238,17 @@ def test_three_processes_cover_each_epoch_exactly_once(client, keys, redis_url, 
     gate = Admission(client, keys, max_staleness=0, groups_per_step=1)
     gate.publish_limits(max_staleness=0, groups_per_step=0)
     procs = {pid: _spawn(config, pid, tmp_path) for pid in ("a", "b", "c")}
-    # admission is shut: each claims a row and waits, so all three take part
-    _wait_for(lambda: set(client.hvals(keys.lease_owner)) == {b"a", b"b", b"c"}, 90, "3 producers with a row")
-    assert client.zcard(keys.producers) == 3  # heartbeats
+    # admission is shut: each claims a row and waits, so all three take part (and each
+    # heartbeat thread has written its first beat)
+    _wait_for(
+        lambda: (
+            set(client.hvals(keys.lease_owner)) == {b"a", b"b", b"c"} and client.zcard(keys.producers) == 3
+        ),
+        START,
+        "3 producers with a row and a heartbeat",
+        procs,
+        tmp_path,
+    )
     gate.publish_limits(max_staleness=0, groups_per_step=100)
     assert [_exit(p, tmp_path, pid) for pid, p in procs.items()] == [0, 0, 0]
     groups = _groups(client, keys)
@@ -258,7 +273,7 @@ def test_a_sigkilled_producers_row_is_handed_out_again(client, keys, redis_url, 
             lease_seconds=1.0,
         )
         victim = _spawn(config, "victim", tmp_path)
-        assert server.started.wait(60), (tmp_path / "victim.log").read_text()
+        assert server.started.wait(START), (tmp_path / "victim.log").read_text()
         (ticket,) = [int(t) for t, owner in client.hgetall(keys.lease_owner).items() if owner == b"victim"]
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=10)
@@ -280,7 +295,7 @@ def test_sigterm_hands_the_row_back_within_the_grace_period(client, keys, redis_
             tmp_path, keys, redis_url, sampler="remote", remote_url=server.url, shutdown_grace=1.0
         )
         proc = _spawn(config, "p", tmp_path)
-        assert server.started.wait(60), (tmp_path / "p.log").read_text()
+        assert server.started.wait(START), (tmp_path / "p.log").read_text()
         assert client.zscore(keys.producers, "p") is not None
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -292,6 +307,7 @@ def test_sigterm_hands_the_row_back_within_the_grace_period(client, keys, redis_
     assert int(client.get(keys.admitted) or 0) == 0
 
 
+@pytest.mark.slow
 def test_a_bad_dataset_line_is_named(keys, redis_url, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 3}\n')
@@ -302,7 +318,7 @@ def test_a_bad_dataset_line_is_named(keys, redis_url, tmp_path):
         text=True,
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=60,
+        timeout=START,
     )
     assert out.returncode == 2, out.stderr
     assert f"{bad}:2: `prompt` must be a non-empty string" in out.stderr

@@ -2,14 +2,14 @@
 query must return data, and the alert rules must load and evaluate.
 
 Needs the Debian ``prometheus`` package (``apt-get install -y prometheus``, as .ci/run
-does); skipped with that reason when the binary is absent. Installs nothing itself.
+does); skipped with that reason when the binary is absent, a failure under ``CI=true``
+(tests/needs.py). Installs nothing itself.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
+from needs import need_tool
 
 from schemas import DeadLetter, MetricsEvent, WeightSync
 from schemas.metric_names import AXES
@@ -31,11 +33,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "ops"))
 import dashboards  # noqa: E402
 
-PROMETHEUS = shutil.which("prometheus")
-PROMTOOL = shutil.which("promtool")
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None, reason="the `prometheus` binary is absent (apt-get install -y prometheus)"
-)
+APT = "apt-get install -y prometheus"
+
+
+@pytest.fixture
+def prometheus() -> str:
+    return need_tool("prometheus", APT)
+
+
+@pytest.fixture
+def promtool() -> str:
+    return need_tool("promtool", APT)  # ships in the same Debian package
+
+
 SUBSTITUTE = {"$job": ".+", "$__rate_interval": "30s"}  # what Grafana would fill in
 
 
@@ -84,7 +94,6 @@ def round_of_events(pub: Publisher, keys, client, i: int) -> None:
 
 
 def prometheus_config(tmp_path: Path, exporter_port: int) -> Path:
-    yaml = pytest.importorskip("yaml", reason="PyYAML is needed to adapt ops/prometheus/prometheus.yml")
     cfg = yaml.safe_load((ROOT / "ops" / "prometheus" / "prometheus.yml").read_text())
     cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
     cfg["rule_files"] = [str(ROOT / "ops" / "prometheus" / "alerts.yml")]
@@ -94,19 +103,19 @@ def prometheus_config(tmp_path: Path, exporter_port: int) -> Path:
     return path
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="`promtool` is absent (apt-get install -y prometheus)")
-def test_promtool_accepts_ops_files():
+def test_promtool_accepts_ops_files(promtool):
     ops = ROOT / "ops" / "prometheus"
     for args in (
         ["check", "config", "prometheus.yml"],
         ["check", "rules", "alerts.yml"],
         ["test", "rules", "alerts_test.yml"],
     ):
-        res = subprocess.run([PROMTOOL, *args], cwd=ops, capture_output=True, text=True, timeout=60)
+        res = subprocess.run([promtool, *args], cwd=ops, capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, f"promtool {' '.join(args)}:\n{res.stdout}{res.stderr}"
 
 
-def test_every_dashboard_query_returns_data(redis_url, keys, client, tmp_path):
+@pytest.mark.slow
+def test_every_dashboard_query_returns_data(prometheus, redis_url, keys, client, tmp_path):
     pub = Publisher(client, keys, RunConfig().bus)
     client.xgroup_create(keys.traj, "trainer", id="0", mkstream=True)
     pub.publish(keys.dead, DeadLetter(stream=keys.traj, entry_id="1-0", raw=b"x", reason="malformed msgpack"))
@@ -139,7 +148,7 @@ def test_every_dashboard_query_returns_data(redis_url, keys, client, tmp_path):
     )
     prom = subprocess.Popen(
         [
-            PROMETHEUS,
+            prometheus,
             f"--config.file={prometheus_config(tmp_path, exporter_port)}",
             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{prom_port}",
@@ -175,10 +184,12 @@ def test_every_dashboard_query_returns_data(redis_url, keys, client, tmp_path):
         assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
 
         def rules_evaluated():
+            """Every rule evaluated, the last time after the dead letter was scraped."""
             rules = [r for g in get_json(f"{api}/rules")["data"]["groups"] for r in g["rules"]]
-            return rules if all(r["health"] == "ok" for r in rules) else None
+            dead = [r for r in rules if r["name"] == "StreamerDeadLetters" and r["state"] != "inactive"]
+            return rules if dead and all(r["health"] == "ok" for r in rules) else None
 
-        rules = wait_until("every alert rule to evaluate", rules_evaluated, procs)
+        rules = wait_until("every alert rule to evaluate, StreamerDeadLetters active", rules_evaluated, procs)
         assert {r["name"] for r in rules} == {
             "StreamerTrainerStalled",
             "StreamerTrajectoryLagGrowing",

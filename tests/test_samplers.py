@@ -5,6 +5,7 @@ structures; retries, timeouts and the concurrency limit hold."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -135,7 +136,8 @@ def test_a_slow_server_times_out():
 
 
 def test_concurrency_is_limited():
-    with FakeCompletionsServer(canned([4, EOS]), latency=0.1) as server:
+    with FakeCompletionsServer(canned([4, EOS])) as server:
+        server.hold.clear()  # requests wait: two must be in flight together, not by luck
         remote = RemoteSampler(base_url=server.url, model="m", stop_ids=[EOS], concurrency=2)
         threads = [
             threading.Thread(
@@ -147,8 +149,13 @@ def test_concurrency_is_limited():
         ]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 30
+        while server.in_flight < 2:
+            assert time.monotonic() < deadline, f"{server.in_flight} requests in flight after 30 s"
+            time.sleep(0.01)
+        server.hold.set()
         for t in threads:
-            t.join(timeout=10)
+            t.join(timeout=30)
         assert server.requests == 6 and server.max_in_flight == 2
         remote.close()
 

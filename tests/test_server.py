@@ -75,6 +75,7 @@ def test_server_too_old_for_xautoclaim():
         connect(f"redis://127.0.0.1:{port}/0", socket_timeout=2.0)
 
 
+@pytest.mark.slow
 def test_embedded_server_restarts_on_its_port_with_its_data(tmp_path):
     server = EmbeddedServer(tmp_path / "v", appendfsync="always").start()
     try:
@@ -88,6 +89,7 @@ def test_embedded_server_restarts_on_its_port_with_its_data(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_embedded_server_that_cannot_start_says_why(tmp_path):
     with EmbeddedServer(tmp_path / "a") as first:
         clash = EmbeddedServer(tmp_path / "b", port=first.port)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -75,7 +76,8 @@ def test_table_for_people(client, keys, redis_url, capsys):
     assert "7 of 14 slots held; 4 groups wait" in out  # (1 + 5 + 1) * 2
     (traj,) = [ln.split() for ln in lines if ln.strip().startswith("traj ")]
     assert traj == ["traj", "4", "4", "trainer", "3", "1", "1"]
-    assert any(ln.split()[:2] == ["host-2", "2m00s"] and ln.endswith("gone") for ln in lines), out
+    # seeded 120 s before the call; the seconds digit tolerates a slow machine between the two
+    assert any(re.fullmatch(r"host-2 +2m0\ds .*gone", ln.strip()) for ln in lines), out
     assert "dead letters 3" in out and "malformed msgpack" in out
     assert lines[-1] == "status      ok"
 
@@ -107,6 +109,7 @@ def test_idle_run_is_not_stalled_and_a_run_without_versions_is(client, keys):
         client.delete(fresh.traj)
 
 
+@pytest.mark.slow
 def test_empty_run_and_password_is_never_printed(tmp_path, capsys):
     server = EmbeddedServer(tmp_path / "valkey", password="s3cret-pw").start()
     try:

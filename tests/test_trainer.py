@@ -10,6 +10,7 @@ import signal
 import threading
 
 import pytest
+from bounds import START
 from trainer_data import make_group, policy_versions, publish, start_trainer, wait_until, write_config
 
 from consumers import checkpoint, trainer
@@ -194,7 +195,7 @@ def test_train_process_lock_step_with_a_publisher(private_valkey, tmp_path):
         for step in range(steps):
             wait_until(
                 lambda step=step: client.xlen(keys.policy) == step + 1,
-                timeout=60,
+                timeout=START,
                 what=f"version {step}",
                 proc=proc,
                 log=log,
@@ -245,7 +246,7 @@ def test_sigterm_checkpoints_what_was_trained_and_exits_0(private_valkey, tmp_pa
     log = tmp_path / "trainer.log"
     proc = start_trainer(config, private_valkey.url, log)
     try:
-        wait_until(lambda: client.xlen(keys.policy) == 3, timeout=60, what="two steps", proc=proc, log=log)
+        wait_until(lambda: client.xlen(keys.policy) == 3, timeout=START, what="two steps", proc=proc, log=log)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()[-3000:]
     finally:

@@ -46,11 +46,14 @@ def report(name: str, **figures) -> str:
 
 
 def wait_for(cond, *, timeout: float, what: str, logs: Procs | None = None, interval: float = 0.05):
-    """Poll ``cond`` until it returns something truthy; fail naming ``what`` (and log tails)."""
+    """Poll ``cond`` until it returns something truthy; fail naming ``what`` (and log tails)
+    when the time runs out, or at once when a process of ``logs`` crashed meanwhile."""
     deadline = time.monotonic() + timeout
     while True:
         if value := cond():
             return value
+        if logs and (crashed := logs.crashed()):
+            raise AssertionError(f"{crashed} while waiting for {what}\n{logs.tails()}")
         if time.monotonic() > deadline:
             tails = logs.tails() if logs else ""
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
@@ -112,6 +115,12 @@ class Procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         return self.wait(name, timeout)
+
+    def crashed(self) -> str:
+        """Processes that exited with an error (not 0, not killed by the test), with codes."""
+        codes = {n: p.poll() for n, p in self.procs.items()}
+        bad = {n: c for n, c in codes.items() if c not in (None, 0, -signal.SIGKILL, -signal.SIGTERM)}
+        return ", ".join(f"{n} exited with code {c}" for n, c in bad.items())
 
     def kill_all(self) -> None:
         for proc in self.procs.values():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from bounds import RUN, START
 from harness import audit, keep_everything, report, run_config, wait_for
 
 from consumers import checkpoint
@@ -37,10 +38,13 @@ def test_run_completes_under_backpressure_with_rare_checkpoints(redis_url, keys,
     args = ("--config", str(config), "--redis-url", redis_url)
     for i in range(PRODUCERS):
         procs.start(f"producer-{i}", "produce", *args, "--id", f"p{i}")
-    wait_for(
-        lambda: unacked(client, keys.traj) >= MAX_UNACKED,
-        timeout=90,
-        what="producers filling the stream up to max_unacked",
+    wait_for(  # the trainer starts only once a producer is held back
+        lambda: (
+            unacked(client, keys.traj) >= MAX_UNACKED
+            and any("backpressure:" in procs.log(f"producer-{i}") for i in range(PRODUCERS))
+        ),
+        timeout=START,
+        what="producers filling the stream up to max_unacked and waiting",
         logs=procs,
     )
     peak, done = [0], threading.Event()
@@ -53,7 +57,7 @@ def test_run_completes_under_backpressure_with_rare_checkpoints(redis_url, keys,
     sampler.start()
     procs.start("trainer", "train", *args)
     try:
-        code = procs.wait("trainer", 180)
+        code = procs.wait("trainer", RUN)
     finally:
         done.set()
         sampler.join(5)

@@ -12,8 +12,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+from bounds import RUN
 from harness import report
 from trainer_data import REPO
+
+pytestmark = pytest.mark.slow  # every case is a CLI process
 
 CLOSED = "redis://127.0.0.1:1/0"
 
@@ -81,7 +85,7 @@ def test_every_role_names_the_key_and_exits_2(tmp_path):
     ]
     failures = []
     for (role, kind, _, prefix, expect), proc in running:
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=RUN)
         lines = err.strip().splitlines()
         ok = proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(prefix) and expect in lines[0]
         if not ok:
@@ -115,7 +119,7 @@ def test_config_errors_found_after_connecting_leave_nothing_behind(redis_url, ke
             env=env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=RUN,
             check=False,
         )
         lines = r.stderr.strip().splitlines()

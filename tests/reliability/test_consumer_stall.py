@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
+from bounds import RUN, START
 from harness import audit, keep_everything, report, run_config, wait_for
 
 from streamer.bus import connect
@@ -28,6 +30,7 @@ from streamer.keys import TRAINER_GROUP
 pytestmark = pytest.mark.slow
 
 CLAIM_IDLE = 1.0
+STALL = CLAIM_IDLE * 2.5  # how long the held entries stay idle while the trainer is stopped
 BUS = {"claim_idle_seconds": CLAIM_IDLE, "block_seconds": 0.25, "socket_timeout": 2.0, "max_unacked": 24}
 TRAINER = {"groups_per_step": 2, "steps": 12, "checkpoint_every": 3, "max_staleness": 1000}
 
@@ -35,6 +38,17 @@ TRAINER = {"groups_per_step": 2, "steps": 12, "checkpoint_every": 3, "max_stalen
 def _pending(client, keys, consumer: str) -> list[str]:
     rows = client.xpending_range(keys.traj, TRAINER_GROUP, "-", "+", 10_000, consumername=consumer)
     return [r["message_id"].decode() for r in rows]
+
+
+def _idle_ms(client, keys, consumer: str) -> list[int]:
+    """Milliseconds since each pending entry of ``consumer`` was delivered (server clock)."""
+    rows = client.xpending_range(keys.traj, TRAINER_GROUP, "-", "+", 10_000, consumername=consumer)
+    return [int(r["time_since_delivered"]) for r in rows]
+
+
+def _stopped(pid: int) -> bool:
+    """The process is in state T (stopped by a signal), not merely sent SIGSTOP."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T"
 
 
 def _stall(trainer, client, keys, procs, *, standby: bool, attempts: int = 20) -> dict:
@@ -47,13 +61,19 @@ def _stall(trainer, client, keys, procs, *, standby: bool, attempts: int = 20) -
             logs=procs,
         )
         os.kill(trainer.pid, signal.SIGSTOP)
+        wait_for(lambda: _stopped(trainer.pid), timeout=10, what="the trainer stopped", logs=procs)
         held = _pending(client, keys, "trainer-0")
         if held:
             break
         os.kill(trainer.pid, signal.SIGCONT)  # it acknowledged everything just before: again
     else:
         raise AssertionError("could not stop the trainer while it held pending entries")
-    time.sleep(CLAIM_IDLE * 2.5)  # the stall
+    wait_for(  # the stall: until the server counts every held entry idle for STALL seconds
+        lambda: min(_idle_ms(client, keys, "trainer-0"), default=0) >= STALL * 1000,
+        timeout=60,
+        what=f"the held entries idle for {STALL} s",
+        logs=procs,
+    )
     claimed = []
     if standby:  # what a second consumer's Consumer.read() does first: XAUTOCLAIM idle entries
         _, entries, _ = client.xautoclaim(
@@ -88,10 +108,10 @@ def test_trainer_stalled_past_claim_idle_trains_its_entries_once(redis_url, keys
     args = ("--config", str(config), "--redis-url", redis_url)
     procs.start("producer", "produce", *args, "--id", "p0")
     trainer = procs.start("trainer", "train", *args)
-    wait_for(lambda: client.xlen(keys.policy) >= 3, timeout=120, what="2 trainer steps", logs=procs)
+    wait_for(lambda: client.xlen(keys.policy) >= 3, timeout=START, what="2 trainer steps", logs=procs)
     alone = _stall(trainer, client, keys, procs, standby=False)
     taken = _stall(trainer, client, keys, procs, standby=True)
-    assert procs.wait("trainer", 180) == 0, procs.tails()
+    assert procs.wait("trainer", RUN) == 0, procs.tails()
     assert procs.stop("producer") == 0, procs.tails()
 
     result = audit(client, keys, tmp_path / "data" / keys.run / "checkpoints", TrainerSection(**TRAINER))
@@ -99,7 +119,7 @@ def test_trainer_stalled_past_claim_idle_trains_its_entries_once(redis_url, keys
     report(
         "consumer-stall",
         stalls=2,
-        stall_seconds=CLAIM_IDLE * 2.5,
+        stall_seconds=STALL,
         claim_idle_seconds=CLAIM_IDLE,
         held_alone=alone["held"],
         held_with_standby=taken["held"],

@@ -1,10 +1,11 @@
 """The trainer's disk fills up, then turns read-only, under a running trainer.
 
 The run directory (weights and checkpoints) lives on a small tmpfs the test mounts (root
-only; skipped elsewhere). First the test fills it; later it remounts it read-only. Each
-time the trainer must stop with one clear error line (exit 1), leave no corrupt or partial
-checkpoint or weights version behind (everything is written to a temp dir and renamed),
-and the previous checkpoint must still load: the second trainer process resumes from it.
+only: skipped elsewhere, a failure under ``CI=true``). First the test fills it; later it
+remounts it read-only. Each time the trainer must stop with one clear error line (exit 1),
+leave no corrupt or partial checkpoint or weights version behind (everything is written to
+a temp dir and renamed), and the previous checkpoint must still load: the second trainer
+process resumes from it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import subprocess
 import uuid
 
 import pytest
+from bounds import RUN, START
 from harness import report, run_config, wait_for
+from needs import need
 from trainer_data import make_group, publish
 
 from consumers import checkpoint
@@ -42,8 +45,7 @@ def small_disk(tmp_path):
         text=True,
         check=False,
     )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    need(r.returncode == 0, f"cannot mount a tmpfs here (needs root, CAP_SYS_ADMIN): {r.stderr.strip()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -135,25 +137,31 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
     procs.start("trainer", "train", *args)
     wait_for(
         lambda: checkpoint.latest(ckpt_dir) is not None and unacked(client, keys.traj) == 0,
-        timeout=120,
+        timeout=START,
         what="the step-2 checkpoint, everything acknowledged",
         logs=procs,
     )
     _fill(small_disk, leave=LEAVE)
-    publish(client, keys.traj, groups[4:])
-    code = procs.wait("trainer", 120)
+    publish(client, keys.traj, groups[4:12])
+    code = procs.wait("trainer", RUN)
     full = _after_failure(ckpt_dir, weights_dir, client, keys, procs.log("trainer"), code, temp_ok=False)
     assert "cannot write checkpoint" in full["error"] and "No space left on device" in full["error"]
 
-    # 2. space again: the next trainer resumes from that checkpoint; then the disk turns read-only
+    # 2. space again: the next trainer resumes from that checkpoint and trains what is there
+    #    (steps 3-6, checkpointed, so it then waits for data with no file open); the disk
+    #    turns read-only; only then does new data arrive, so the next write must fail
     for f in small_disk.glob("filler-*"):
         f.unlink()
     mark = len(procs.log("trainer"))
     procs.start("trainer", "train", *args)
     wait_for(
-        lambda: checkpoint.latest(ckpt_dir)[1].name != full["latest_loads"],
-        timeout=120,
-        what="a checkpoint after the resume",
+        lambda: (  # latest() is None for a moment while the trainer prunes the old one
+            (latest := checkpoint.latest(ckpt_dir)) is not None
+            and latest[1].name != full["latest_loads"]
+            and unacked(client, keys.traj) == 0
+        ),
+        timeout=START,
+        what="a checkpoint after the resume, everything acknowledged",
         logs=procs,
     )
     wait_for(
@@ -162,7 +170,8 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
         interval=0.01,
         what="remounting read-only (busy while a file is open for writing)",
     )
-    code = procs.wait("trainer", 120)
+    publish(client, keys.traj, groups[12:])
+    code = procs.wait("trainer", RUN)
     log = procs.log("trainer")[mark:]
     ro = _after_failure(ckpt_dir, weights_dir, client, keys, log, code, temp_ok=True)
     report("trainer-disk", disk_full=full, read_only=ro, lost=0, duplicated=0, crashed=0)

@@ -19,6 +19,7 @@ from collections import Counter
 import msgspec
 import pytest
 import torch
+from bounds import START
 from harness import audit, keep_everything, report, rss_mb, run_config, wait_for
 from payloads import (
     COMMON,
@@ -110,7 +111,7 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
     _publish(client, keys.metrics, [{FIELD: encode(valid_metrics(rng, i))} for i in range(50)])
     wait_for(
         lambda: client.xlen(keys.policy) >= 3 and _events_applied(port) >= 50,
-        timeout=120,
+        timeout=START,
         what="2 trainer steps and 50 metrics events applied",
         logs=procs,
     )

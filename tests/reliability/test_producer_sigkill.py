@@ -14,6 +14,7 @@ import time
 from collections import Counter
 
 import pytest
+from bounds import RUN, START
 from harness import report, run_config, wait_for
 
 from schemas import TrajectoryGroup, decode
@@ -55,7 +56,11 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
     kills, died_holding, tickets_killed = 0, 0, Counter()
     for wave, victims in enumerate(WAVES):
         # wave 0 publishes a few rows, then sampling stalls; wave 1 stalls at once, on the
-        # rows wave 0's expired leases handed back (they are handed out first)
+        # rows wave 0's expired leases handed back (they are handed out first). Wave 1 starts
+        # only once every lease of wave 0 has expired by server time, so its first claim
+        # must sweep them onto the requeue list and take them before any fresh row.
+        if wave:
+            _wait_expired(client, keys, set(tickets_killed), procs)
         backend.hold_after(rng.randint(1, 4) if wave == 0 else 0)
         held_before = len(backend.held)
         names = [f"w{wave}v{i}" for i in range(victims)]
@@ -65,7 +70,7 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
             lambda n=held_before + victims, names=names: (
                 len(backend.held) >= n and _holding(client, keys, names)
             ),
-            timeout=90,
+            timeout=START,
             what=f"wave {wave}: {victims} producers stuck mid-row",
             logs=procs,
         )
@@ -81,7 +86,7 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
 
     backend.open()
     procs.start("heir", "produce", "--config", str(config), "--redis-url", redis_url, "--id", "heir")
-    assert procs.wait("heir", 120) == 0, procs.tails()
+    assert procs.wait("heir", RUN) == 0, procs.tails()
 
     entries = client.xrange(keys.traj)
     groups = [decode(f[FIELD], TrajectoryGroup) for _, f in entries]
@@ -109,6 +114,19 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
     assert client.scard(keys.lease_slots) == 0
     assert int(client.get(keys.admitted)) == ROWS  # the dead producers' slots came back
     assert {g.producer_id for g in groups} >= {"heir"}
+
+
+def _wait_expired(client, keys: Keys, tickets: set[int], procs) -> None:
+    """Wait until every lease in ``tickets`` has expired by the server's clock (the clock the
+    claim script compares against), or was swept already."""
+
+    def expired() -> bool:
+        secs, micros = client.time()
+        now = secs + micros / 1e6
+        scores = [client.zscore(keys.leases, t) for t in tickets]
+        return all(s is None or s < now for s in scores)
+
+    wait_for(expired, timeout=30, what=f"the leases of tickets {sorted(tickets)} to expire", logs=procs)
 
 
 def _leases_of(client, keys: Keys, owner: str) -> set[int]:

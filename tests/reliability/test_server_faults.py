@@ -18,6 +18,7 @@ import time
 
 import pytest
 import redis
+from bounds import RUN, START
 from harness import (
     audit,
     keep_everything,
@@ -33,8 +34,7 @@ from streamer.config import TrainerSection
 from streamer.keys import Keys
 from streamer.server import EmbeddedServer, free_port
 
-pytestmark = pytest.mark.slow
-
+LOSS_WINDOW = 4.0  # s: valkey's AOF write postponement (< 2 s of its 1 s clock) plus slack
 TRAINER = {"groups_per_step": 2, "checkpoint_every": 2, "max_staleness": 1000}
 NAMES = {
     "trainer": "streamer-trainer",
@@ -52,6 +52,7 @@ class AckedWriter(threading.Thread):
         self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.stream, self.interval = stream, interval
         self.acked: list[bytes] = []
+        self.acked_at: list[float] = []  # time.monotonic() of each acknowledgement
         self.failed = 0
         self.done = threading.Event()
 
@@ -61,13 +62,18 @@ class AckedWriter(threading.Thread):
             n += 1
             try:
                 self.acked.append(self.client.xadd(self.stream, {"n": n}))
+                self.acked_at.append(time.monotonic())
             except redis.exceptions.RedisError:
                 self.failed += 1  # not acknowledged: may or may not be there
             self.done.wait(self.interval)
 
     def missing(self, client) -> int:
+        return len(self.missing_acked_at(client))
+
+    def missing_acked_at(self, client) -> list[float]:
+        """When each acknowledged but missing write was acknowledged (time.monotonic())."""
         present = {i for i, _ in client.xrange(self.stream)}
-        return sum(i not in present for i in self.acked)
+        return [t for i, t in zip(self.acked, self.acked_at) if i not in present]
 
 
 def _start_pipeline(procs, url: str, config, port: int) -> None:
@@ -93,6 +99,7 @@ def _client_names(client) -> set[str]:
         return set()
 
 
+@pytest.mark.slow
 def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, inference, tmp_path):
     server, _ = inference
     # backpressure (16 unacked) holds the producer back until after the restart, where it
@@ -114,11 +121,11 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
     writer.start()
     # the evaluator first (it loads a model, then scores version 0); then the rest
     procs.start("eval", "eval", "--config", str(config), "--redis-url", url)
-    wait_for(lambda: _evaluated(client, keys), timeout=120, what="the evaluator's first score", logs=procs)
+    wait_for(lambda: _evaluated(client, keys), timeout=START, what="the evaluator's first score", logs=procs)
     _start_pipeline(procs, url, config, free_port())
     wait_for(
         lambda: client.xlen(keys.policy) >= 4 and set(NAMES.values()) <= _client_names(client),
-        timeout=120,
+        timeout=START,
         what="3 trainer steps and every process connected",
         logs=procs,
     )
@@ -134,8 +141,8 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
         for role in [r for r, n in NAMES.items() if n in _client_names(client) and r not in reconnect]:
             reconnect[role] = round(time.monotonic() - restarted, 2)
         time.sleep(0.05)
-    assert procs.wait("trainer", 180) == 0, procs.tails()
-    assert procs.wait("producer", 120) == 0, procs.tails()
+    assert procs.wait("trainer", RUN) == 0, procs.tails()
+    assert procs.wait("producer", RUN) == 0, procs.tails()
     writer.done.set()
     writer.join(5)
     exits = {name: procs.stop(name) for name in ("eval", "metrics")}
@@ -166,21 +173,28 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
     assert exits == {"eval": 0, "metrics": 0}, procs.tails()
 
 
+@pytest.mark.slow
 def test_appendfsync_everysec_loss_is_counted(tmp_path):
     """A process crash (SIGKILL) of a server with everysec: count acknowledged writes lost."""
     server = EmbeddedServer(tmp_path / "v", appendfsync="everysec").start()
-    lost, acked, rounds = [], 0, 3
+    lost, acked, rounds, writers, ages = [], 0, 3, [], []
     try:
         for r in range(rounds):
             writer = AckedWriter(server.url, f"everysec:{r}", interval=0.0)
             writer.start()
             wait_for(lambda w=writer: len(w.acked) >= 2000, timeout=30, what="2000 acknowledged writes")
+            killed_at = time.monotonic()
             server.kill()  # mid-stream: the writer is sending as fast as it can
             writer.done.set()
             writer.join(5)
             server.start()
-            lost.append(writer.missing(connect(server.url)))
+            missing = writer.missing_acked_at(connect(server.url))
+            lost.append(len(missing))
+            ages.append(round(max((killed_at - t for t in missing), default=0.0), 2))
             acked += len(writer.acked)
+            writers.append(writer)
+        client = connect(server.url)
+        lost_later = [w.missing(client) - n for w, n in zip(writers, lost)]
     finally:
         server.stop()
     report(
@@ -188,11 +202,18 @@ def test_appendfsync_everysec_loss_is_counted(tmp_path):
         kills=rounds,
         acked_writes=acked,
         acked_writes_lost=lost,
+        oldest_lost_acked_seconds_before_kill=ages,
         note="SIGKILL of the process only; an OS crash can lose up to ~1 s of writes",
     )
-    assert all(n >= 0 for n in lost)
+    # valkey write()s the AOF before replying, except while a slow background fsync runs
+    # (a busy disk): then it postpones the write for up to 2 s (whole seconds of its clock)
+    # and replies meanwhile. Seen once at load 15: 2,068 of a round lost. What holds: only
+    # writes acknowledged in the last few seconds can go, and a later kill loses no older one.
+    assert max(ages) < LOSS_WINDOW, f"lost writes acknowledged {ages} s before the kill: {lost}"
+    assert lost_later == [0] * rounds, f"writes of earlier rounds lost by later kills: {lost_later}"
 
 
+@pytest.mark.slow
 def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp_path):
     server, _ = inference
     server.latency = 0.05  # paces the producer: the outage falls inside the run
@@ -212,7 +233,7 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
     names = {r: n for r, n in NAMES.items() if r != "eval"}
     wait_for(
         lambda: client.xlen(keys.policy) >= 3 and set(names.values()) <= _client_names(client),
-        timeout=120,
+        timeout=START,
         what="2 trainer steps and every process connected",
         logs=procs,
     )
@@ -232,7 +253,7 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
         logs=procs,
     )
     continued_after = round(time.monotonic() - resumed, 2)
-    assert procs.wait("trainer", 180) == 0, procs.tails()
+    assert procs.wait("trainer", RUN) == 0, procs.tails()
     exits = {name: procs.stop(name) for name in ("producer", "metrics")}
 
     outage_logs = {n: procs.log(n)[marks[n] :] for n in names}

@@ -13,6 +13,7 @@ import random
 import time
 
 import pytest
+from bounds import RUN, START
 from harness import (
     audit,
     keep_everything,
@@ -50,15 +51,19 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
     )
     ckpt_dir = tmp_path / "data" / keys.run / "checkpoints"
     procs.start("producer", "produce", "--config", str(config), "--redis-url", url, "--id", "p0")
-    redone = 0
+    redone, restores = 0, 0  # restores: starts that found a checkpoint, so must log its restore
     for kill in range(KILLS):
         before = client.xlen(keys.policy)
+        restores += checkpoint.latest(ckpt_dir) is not None
         trainer = procs.start("trainer", "train", "--config", str(config), "--redis-url", url)
         target = before + 1 + rng.randint(1, 3)  # its first version (the restored weights), then 1-3 steps
-        wait_for(
-            lambda t=target, p=trainer: client.xlen(keys.policy) >= t or p.poll() is not None,
-            timeout=120,
-            what=f"kill {kill}: {target} policy versions",
+        wait_for(  # the first kill waits for a checkpoint too: every restart resumes from one
+            lambda t=target, p=trainer, k=kill: (
+                (client.xlen(keys.policy) >= t and (k > 0 or checkpoint.latest(ckpt_dir) is not None))
+                or p.poll() is not None
+            ),
+            timeout=START,
+            what=f"kill {kill}: {target} policy versions" + ("" if kill else " and a checkpoint"),
             logs=procs,
         )
         assert trainer.poll() is None, f"the trainer exited before kill {kill}\n{procs.tails()}"
@@ -69,8 +74,9 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
         redone += _last_step(client, keys) - (chain[-1].step if chain else 0)
         _assert_exactly_once_so_far(client, keys, ckpt_dir, kill)
 
+    restores += checkpoint.latest(ckpt_dir) is not None
     procs.start("trainer", "train", "--config", str(config), "--redis-url", url)
-    assert procs.wait("trainer", 180) == 0, procs.tails()
+    assert procs.wait("trainer", RUN) == 0, procs.tails()
     assert procs.stop("producer") == 0, procs.tails()
 
     result = audit(client, keys, ckpt_dir, TrainerSection(**TRAINER))
@@ -93,7 +99,7 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
     assert result.trained == sum(len(m.entry_ids) for m in chain) >= STEPS * TRAINER["groups_per_step"]
     assert chain[-1].step == STEPS
     assert versions == sorted(set(versions)), f"policy versions repeat or go back: {versions}"
-    assert procs.log("trainer").count("restored checkpoint") >= KILLS - 1
+    assert restores == KILLS and procs.log("trainer").count("restored checkpoint") == restores
 
 
 def _last_step(client, keys: Keys) -> int:
