@@ -52,6 +52,7 @@ class VersionPublisher:
         self.client, self.keys, self.root = client, keys, Path(root)
         self.keep_versions, self.protect = keep_versions, protect
         self.last_seconds = 0.0  # write + publish time of the newest published version
+        self.give_up_after: float | None = None  # how long to wait out a server outage; None = forever
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="trainer-versions", daemon=True)
@@ -115,7 +116,7 @@ class VersionPublisher:
             pipe.set(self.keys.version, version)
             pipe.execute()
 
-        retrying(announce, what=f"publishing version {version}")
+        retrying(announce, what=f"publishing version {version}", give_up_after=self.give_up_after)
         weights.prune(self.root, self.keep_versions, protect=(self.protect(),))
         self.last_seconds = time.monotonic() - start
 

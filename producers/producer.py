@@ -31,6 +31,7 @@ from producers.rewards import score
 from producers.samplers import SamplerError
 from producers.stats import Pending, Timings, group_values
 from schemas import MetricsEvent, Sample, TrajectoryGroup, encode
+from streamer import lifecycle
 from streamer.admission import Admission, LeaseLost
 from streamer.bus import Publisher, connect, retrying, unacked
 from streamer.config import RunConfig
@@ -332,6 +333,7 @@ def _install_signals(producer: Producer) -> None:
             producer.p.shutdown_grace,
         )
         producer.stop.set()
+        lifecycle.exit_if_orphaned(f"producer {producer.id}")
         timer = threading.Timer(producer.p.shutdown_grace, _give_up, args=(producer,))
         timer.daemon = True  # a loop that ends in time exits without waiting for it
         timer.start()
