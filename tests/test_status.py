@@ -72,7 +72,7 @@ def test_table_for_people(client, keys, redis_url, capsys):
     lines = out.splitlines()
     assert lines[0] == f"run {keys.run} on {redis_url}"
     assert "version 5 (step 5)" in out and "0.5 steps/s" in out
-    assert "7 of 14 slots held; 4 groups wait" in out  # (1 + 5 + 1) * 2
+    assert "7 of 4 slots held; 4 groups wait" in out  # (1 + 1) * 2 in flight
     (traj,) = [ln.split() for ln in lines if ln.strip().startswith("traj ")]
     assert traj == ["traj", "4", "4", "trainer", "3", "1", "1"]
     assert any(ln.split()[:2] == ["host-2", "2m00s"] and ln.endswith("gone") for ln in lines), out
