@@ -66,8 +66,12 @@ def unusable(group: TrajectoryGroup, *, vocab_size: int) -> str | None:
     return None
 
 
-def is_stale(group: TrajectoryGroup, *, version: int, max_staleness: int) -> bool:
-    return version - group.policy_version > max_staleness
+def is_stale(
+    group: TrajectoryGroup, *, version: int, max_staleness: int, staleness: Callable | None = None
+) -> bool:
+    """``staleness(group)`` (consumers/lineage.py) if given, else version numbers apart."""
+    lag = staleness(group) if staleness is not None else version - group.policy_version
+    return lag > max_staleness
 
 
 def load_predicate(path: str) -> GroupPredicate:
@@ -111,8 +115,8 @@ class GroupFilter:
             user_filter=load_predicate(cfg.user_filter) if cfg.user_filter else None,
         )
 
-    def __call__(self, group: TrajectoryGroup, *, version: int) -> Verdict:
-        if is_stale(group, version=version, max_staleness=self.max_staleness):
+    def __call__(self, group: TrajectoryGroup, *, version: int, staleness: Callable | None = None) -> Verdict:
+        if is_stale(group, version=version, max_staleness=self.max_staleness, staleness=staleness):
             return Verdict(None, "stale")
         complete = [s for s in group.samples if s.finish_reason != "abort"]
         if len(complete) < self.min_group_size:

@@ -117,7 +117,8 @@ class VersionPublisher:
             pipe.execute()
 
         retrying(announce, what=f"publishing version {version}", give_up_after=self.give_up_after)
-        weights.prune(self.root, self.keep_versions, protect=(self.protect(),))
+        # never the version just announced (the newest), whatever the numbers on disk say
+        weights.prune(self.root, self.keep_versions, protect=(self.protect(), version))
         self.last_seconds = time.monotonic() - start
 
     def _raise_if_failed(self) -> None:

@@ -91,5 +91,9 @@ class Keys:
     def producers(self) -> str:
         return self._k("producers")  # ZSET producer id -> last heartbeat (unix seconds)
 
+    @property
+    def run_marker(self) -> str:
+        return self._k("run")  # HASH created_at [data_lost_at resumed_from]: the trainer's; gone = data lost
+
     def all_keys_pattern(self) -> str:
         return f"{self.prefix}:*"
