@@ -29,6 +29,8 @@ from streamer.keys import Keys
 
 log = logging.getLogger(__name__)
 
+POLICY_HISTORY = 1000  # WeightSync entries kept on the policy stream (at least keep_versions)
+
 
 class Snapshot:
     """A CPU copy of a model's weights that saves like the model (tied tensors stay tied)."""
@@ -112,7 +114,9 @@ class VersionPublisher:
 
         def announce():
             pipe = self.client.pipeline(transaction=True)
-            pipe.xadd(self.keys.policy, {FIELD: encode(sync)})
+            # bounded: the weights kept, and enough history for staleness after a restore
+            keep = max(self.keep_versions, POLICY_HISTORY)
+            pipe.xadd(self.keys.policy, {FIELD: encode(sync)}, maxlen=keep, approximate=True)
             pipe.set(self.keys.version, version)
             pipe.execute()
 
