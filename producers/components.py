@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from producers import rewards
-from producers.dataset import load_rows
+from producers.dataset import check_required, load_rows
 from producers.render import Renderer, stop_ids
 from producers.samplers import LocalSampler
 from streamer import models
@@ -58,7 +58,10 @@ def build(cfg: RunConfig):
     """(task, sampler) of a producer, from the config."""
     p = cfg.producer
     rows = load_rows(p.dataset)  # first: a bad dataset fails before any model loads
-    rewards.load(rewards.default_path(p.reward, p.dataset))
+    reward_path = rewards.default_path(p.reward, p.dataset)
+    reward_fn = rewards.load(reward_path)
+    required = getattr(reward_fn, "required_fields", ())
+    check_required(rows, required, source=p.dataset, reward=reward_path)
     tokenizer = models.load_tokenizer(cfg.model)
     if p.sampler == "local":
         if p.torch_threads:

@@ -67,6 +67,7 @@ class Producer:
             owner=producer_id,
             lease_seconds=self.p.lease_seconds,
             total_tickets=self.order.total_tickets(self.p.epochs),
+            max_attempts=self.p.max_row_attempts,
         )
         t = cfg.trainer
         self.admission = Admission(
@@ -120,11 +121,12 @@ class Producer:
         try:
             outcome = self._work(ticket)
         except SamplerError as e:
-            self.leases.hand_back(ticket)
+            self.leases.hand_back(ticket, error=f"sampler: {e}")
             return self._sampler_failed(e)
-        except BaseException:
-            try:
-                self.leases.hand_back(ticket)
+        except BaseException as e:
+            try:  # the row's own failure counts towards skipping it; a server outage does not
+                own = isinstance(e, Exception) and not isinstance(e, redis.exceptions.RedisError)
+                self.leases.hand_back(ticket, error=f"{type(e).__name__}: {e}" if own else "")
             except redis.exceptions.RedisError as e:  # the lease will expire instead
                 log.error("could not hand back ticket %d: %s", ticket, e)
             raise

@@ -88,13 +88,14 @@ class ProducerSection(_Section):
     max_groups: int = 0  # stop after publishing this many groups; 0 = forever
     shutdown_grace: float = 30.0  # on SIGTERM: finish or hand back the current row within this
     torch_threads: int = 0  # torch CPU threads of a local sampler; 0 = torch's default
+    max_row_attempts: int = 3  # a row whose work failed this often (crash, error) is skipped; 0 = never
 
     def __post_init__(self) -> None:
         self._positive("group_size", "min_group_size", "max_new_tokens", "lease_seconds")
         self._positive("temperature", "top_p", "remote_timeout", "remote_concurrency")
         self._positive("remote_retries", "epochs", "max_groups", allow_zero=True)
         self._positive("shutdown_grace")
-        self._positive("torch_threads", allow_zero=True)
+        self._positive("torch_threads", "max_row_attempts", allow_zero=True)
         if self.top_p > 1:
             raise ValueError(f"`top_p` must be <= 1, got {self.top_p}")
         if self.min_group_size > self.group_size:
