@@ -36,6 +36,7 @@ from streamer.admission import Admission, LeaseLost
 from streamer.bus import Publisher, connect, retrying, unacked
 from streamer.config import RunConfig
 from streamer.keys import Keys
+from streamer.values import parse_int
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +220,9 @@ class Producer:
         pipe.get(self.keys.version)
         step, current = pipe.execute()
         timings = Timings(timings.sample_seconds, timings.admission_wait_seconds, waited)
-        values = group_values(group, failures=failures, current_version=int(current or 0), timings=timings)
-        self._send_metrics(int(step), values)
+        current = parse_int(current, self.keys.version, default=0)
+        values = group_values(group, failures=failures, current_version=current, timings=timings)
+        self._send_metrics(parse_int(step, self.keys.rollout_step), values)
         return "published"
 
     def _drop(self, ticket: int, *, failures: int) -> str:

@@ -10,6 +10,8 @@ import importlib
 import logging
 import sys
 
+import redis
+
 from streamer.config import RunConfig, load_config, replace
 from streamer.errors import ConfigError, StreamerError
 
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except StreamerError as e:
         print(f"streamer {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    except redis.exceptions.ResponseError as e:  # e.g. WRONGTYPE: a key of the run was overwritten
+        print(f"streamer {args.cmd}: the server refused a command on this run's keys: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
