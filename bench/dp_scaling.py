@@ -90,7 +90,7 @@ def worker(args: argparse.Namespace) -> None:
         tokens = args.steps * batch.num_tokens
         Path(args.out).write_text(json.dumps({"seconds": seconds, "tokens": tokens, "device": str(device)}))
     if dp is not None:
-        dp.close()
+        dp.close(clean=True)
 
 
 def side(args: argparse.Namespace, nproc: int, out: Path) -> dict:

@@ -172,6 +172,10 @@ class DataParallel:
         dist.broadcast(h, src=0)
         return tuple(int(v) for v in h.tolist())
 
-    def close(self) -> None:
+    def close(self, *, clean: bool = False) -> None:
+        """Leave the process group. ``clean``: every rank is closing normally, so wait for all of
+        them first (a rank tearing gloo down while another still sends aborts the process)."""
         if dist.is_initialized():
+            if clean:
+                dist.barrier()
             dist.destroy_process_group()

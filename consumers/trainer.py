@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import signal
 import sys
@@ -328,6 +329,7 @@ def follow(cfg: RunConfig, dp: DataParallel) -> int:
         kind, payload = dp.receive()
         if kind == "stop":
             log.info("rank %d: stopped at step %d", dp.rank, learner.step)
+            dp.close(clean=True)
             return 0
         if kind == "restore" and payload:
             path = Path(payload)
@@ -366,13 +368,22 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
         )
         dp = DataParallel.init()  # under torchrun; rank 0 trains below, the others follow it
         if dp is not None and dp.rank > 0:
-            return follow(cfg, dp)
+            code = follow(cfg, dp)
+            # a follower has nothing left to write; interpreter teardown with gloo's threads
+            # alive can end in std::terminate (SIGABRT), which torchrun reports as a failure
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
         keys = Keys(cfg.run.name)
         learner = build_learner(cfg, dp)
         log.info("trainer for run %s on %s", cfg.run.name, learner.device)
         trainer = Trainer(cfg, client, keys, learner, stop=stop, group_filter=group_filter, dp=dp)
-        return trainer.run()
+        code = trainer.run()
+        if dp is not None:  # the followers were told to stop: leave together
+            dp.close(clean=True)
+        return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
