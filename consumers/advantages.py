@@ -45,10 +45,7 @@ def resolve(cfg: TrainerSection) -> AdvantageFn:
         return dr_grpo
     if name == "rloo":
         return rloo
-    try:
-        return load_predicate(name)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("trainer.user_filter", "trainer.advantage")) from None
+    return load_predicate(name, what="`trainer.advantage`")
 
 
 def min_group_size_of(fn: AdvantageFn) -> int:

@@ -23,7 +23,6 @@ dead-letters them with the reason.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from schemas import Sample, TrajectoryGroup
 from schemas.events import LOGPROB_DTYPE, TOKEN_DTYPE
 from streamer.config import TrainerSection
 from streamer.errors import ConfigError
+from streamer.imports import load_function
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +73,9 @@ def is_stale(group: TrajectoryGroup, *, version: int, max_staleness: int) -> boo
     return version - group.policy_version > max_staleness
 
 
-def load_predicate(path: str) -> GroupPredicate:
+def load_predicate(path: str, *, what: str = "`trainer.user_filter`") -> GroupPredicate:
     """``module:function`` (or ``module.function``) -> the callable; ConfigError if not."""
-    module, sep, attr = path.partition(":")
-    if not sep:
-        module, _, attr = path.rpartition(".")
-    if not module or not attr:
-        raise ConfigError(f"`trainer.user_filter` {path!r} must be 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"`trainer.user_filter` {path!r} cannot be imported: {e}") from None
-    if not callable(fn):
-        raise ConfigError(f"`trainer.user_filter` {path!r} is not callable")
-    return fn
+    return load_function(path, what=what, dotted=True)
 
 
 class GroupFilter:

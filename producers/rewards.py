@@ -12,13 +12,12 @@ dataset's default (:func:`default_path`).
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from collections.abc import Callable
 
 from streamer import demo
-from streamer.errors import ConfigError
+from streamer.imports import load_function
 
 RewardFn = Callable[..., float]
 
@@ -35,17 +34,7 @@ def default_path(configured: str, dataset: str) -> str:
 
 def load(path: str) -> RewardFn:
     """Import ``"package.module:function"``; a ConfigError that says what is wrong."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f'reward {path!r}: expected "module:function"')
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"reward {path!r}: cannot import {module_name}: {e}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"reward {path!r}: {module_name} has no function {attr!r}")
-    return fn
+    return load_function(path, what="reward")
 
 
 def score(fn: RewardFn, row: dict, text: str, sample) -> float:

@@ -190,21 +190,9 @@ DEFAULT_ROLLOUT = "producers.rollout:single_turn"
 
 def load_rollout(path: str) -> Rollout:
     """Import ``"package.module:function"`` ("" = the default); a ConfigError otherwise."""
-    import importlib
+    from streamer.imports import load_function
 
-    from streamer.errors import ConfigError
-
-    module_name, sep, attr = (path or DEFAULT_ROLLOUT).partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f'rollout {path!r}: expected "module:function"')
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"rollout {path!r}: cannot import {module_name}: {e}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"rollout {path!r}: {module_name} has no function {attr!r}")
-    return fn
+    return load_function(path or DEFAULT_ROLLOUT, what="rollout")
 
 
 EpisodeFn = Callable[[dict, RolloutContext, int], Awaitable[Episode]]
