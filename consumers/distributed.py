@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -101,11 +100,6 @@ class DataParallel:
     def shard(self, batch: Batch) -> Batch:
         """This rank's rows of ``batch`` (``rank::world``; may be empty)."""
         return batch.rows(torch.arange(self.rank, batch.size, self.world))
-
-    def sum_(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Sum each tensor over the ranks, in place."""
-        for t in tensors:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the gradients over ranks (a rank whose share had no rows contributes zeros)."""
