@@ -28,7 +28,7 @@ from producers.dataset import DatasetError
 from producers.follow import WeightFollower
 from producers.rewards import score
 from schemas import MetricsEvent, WeightSync
-from streamer import models, rollout_eval
+from streamer import lifecycle, models, rollout_eval
 from streamer.bus import Publisher, connect, retrying
 from streamer.config import RunConfig
 from streamer.keys import Keys
@@ -184,6 +184,7 @@ def main(cfg: RunConfig, args) -> int:
     def on_signal(signum, _frame):
         log.info("%s: stopping", signal.Signals(signum).name)
         evaluator.stop.set()
+        lifecycle.exit_if_orphaned("evaluator")
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -45,6 +45,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from consumers import saved_state
 from consumers.metrics_state import SERIES, Series, State, gauge
 from schemas import DecodeError, MetricsEvent, decode
+from streamer import lifecycle
 from streamer.bus import FIELD, TRANSIENT, Consumer, connect
 from streamer.config import RunConfig
 from streamer.errors import ConfigError
@@ -261,6 +262,7 @@ def main(cfg: RunConfig, args: argparse.Namespace) -> int:
     def on_signal(signum, _frame) -> None:
         log.info("%s: stopping", signal.Signals(signum).name)
         stop.set()
+        lifecycle.exit_if_orphaned("exporter")
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     exporter = Exporter(cfg)

@@ -42,7 +42,7 @@ from consumers.learner import Learner
 from consumers.versions import VersionPublisher
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, encode
 from schemas.metric_names import REJECT_REASONS
-from streamer import lora, models
+from streamer import lifecycle, lora, models, rundir
 from streamer.admission import Admission
 from streamer.bus import FIELD, Consumer, Tail, connect, retrying, trim_acked
 from streamer.config import RunConfig
@@ -52,6 +52,7 @@ from streamer.keys import ARCHIVE_GROUP, TRAINER_GROUP, Keys
 log = logging.getLogger(__name__)
 
 CONSUMER_NAME = "trainer-0"  # one trainer per run: a stable name finds its pending entries again
+STOP_SERVER_WAIT = 30.0  # seconds a stopping trainer waits for an unreachable server
 
 
 class Trainer:
@@ -82,6 +83,7 @@ class Trainer:
         self.high_water = "0-0"  # newest entry id trained into the model
         self.trained: list[tuple[str, str]] = []  # (entry id, group id) since the last checkpoint
         self.feeder: Feeder | None = None
+        self.give_up_after: float | None = None  # server outage allowed to outputs; None = wait
         self.versions = VersionPublisher(
             client,
             keys,
@@ -180,6 +182,9 @@ class Trainer:
                     self.feeder.stop()
                 if self.dp:
                     self.dp.send_stop()
+            # stopping: a server that went away with us (our supervisor died) is not waited
+            # for forever; the checkpoint on disk is the resume point whether acks land or not
+            self.versions.give_up_after = self.give_up_after = STOP_SERVER_WAIT
             if self.trained:
                 self.checkpoint()
             self.versions.close()
@@ -290,11 +295,13 @@ class Trainer:
         self.parent, self.checkpointed_version, self.trained = meta.name, meta.version, []
         if entry_ids:
             ack = lambda: self.client.xack(self.keys.traj, TRAINER_GROUP, *entry_ids)  # noqa: E731
-            retrying(ack, what="acknowledging trained entries")
+            retrying(ack, what="acknowledging trained entries", give_up_after=self.give_up_after)
             self.feeder.acked(entry_ids)
             lag = {ARCHIVE_GROUP: self.cfg.archive.max_lag}  # the archiver never holds us back for long
             retrying(
-                lambda: trim_acked(self.client, self.keys.traj, max_lag=lag), what="trimming trajectories"
+                lambda: trim_acked(self.client, self.keys.traj, max_lag=lag),
+                what="trimming trajectories",
+                give_up_after=self.give_up_after,
             )
         checkpoint.prune(self.cfg.checkpoint_dir, self.tc.keep_checkpoints)
         log.info("checkpoint %s covers %d groups (high-water %s)", meta.name, len(entry_ids), meta.high_water)
@@ -351,6 +358,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     def on_signal(signum, _frame):
         log.info("%s: finishing the current step, then a final checkpoint", signal.Signals(signum).name)
         stop.set()
+        lifecycle.exit_if_orphaned("trainer")
         for sig, handler in previous.items():  # a second signal is not graceful
             signal.signal(sig, handler)
 
@@ -377,13 +385,18 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
             os._exit(code)
         client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
         keys = Keys(cfg.run.name)
-        learner = build_learner(cfg, dp)
-        log.info("trainer for run %s on %s", cfg.run.name, learner.device)
-        trainer = Trainer(cfg, client, keys, learner, stop=stop, group_filter=group_filter, dp=dp)
-        code = trainer.run()
-        if dp is not None:  # the followers were told to stop: leave together
-            dp.close(clean=True)
-        return code
+        # one trainer per run: a second one would prune the first one's files (one line, exit 1)
+        lock = rundir.trainer_lock(rundir.mark_run(cfg.run_dir)).acquire()
+        try:
+            learner = build_learner(cfg, dp)
+            log.info("trainer for run %s on %s", cfg.run.name, learner.device)
+            trainer = Trainer(cfg, client, keys, learner, stop=stop, group_filter=group_filter, dp=dp)
+            code = trainer.run()
+            if dp is not None:  # the followers were told to stop: leave together
+                dp.close(clean=True)
+            return code
+        finally:
+            lock.release()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -72,6 +72,7 @@ class VersionPublisher:
         self.client, self.keys, self.root = client, keys, Path(root)
         self.keep_versions, self.protect = keep_versions, protect
         self.last_seconds = 0.0  # write + publish time of the newest published version
+        self.give_up_after: float | None = None  # how long to wait out a server outage; None = forever
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._announce = client.register_script(ANNOUNCE)
@@ -136,6 +137,7 @@ class VersionPublisher:
                 keys=[self.keys.policy, self.keys.version], args=[FIELD, payload, version, POLICY_KEEP]
             ),
             what=f"publishing version {version}",
+            give_up_after=self.give_up_after,
         )
         if not added:  # our first try went through; its reply was lost
             log.info("version %d was already announced (a retry after a lost reply)", version)

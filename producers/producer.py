@@ -40,6 +40,7 @@ from producers.leases import EXHAUSTED, WAIT, Leases
 from producers.samplers import SamplerError
 from producers.stats import Pending, Timings, episode_values, group_values
 from schemas import MetricsEvent, TrajectoryGroup, encode
+from streamer import lifecycle
 from streamer.admission import Admission, LeaseLost
 from streamer.batching import MicroBatcher
 from streamer.bus import Publisher, connect, unacked
@@ -449,6 +450,7 @@ def _install_signals(producer: Producer) -> None:
             producer.p.shutdown_grace,
         )
         producer.stop.set()
+        lifecycle.exit_if_orphaned(f"producer {producer.id}")
         timer = threading.Timer(producer.p.shutdown_grace, _give_up, args=(producer,))
         timer.daemon = True  # a loop that ends in time exits without waiting for it
         timer.start()

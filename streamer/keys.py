@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 
-_RUN_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# a plain file name: it is also the run's directory under the data dir, so never ".", "..",
+# a path or a hidden name (it starts with a letter or digit); "\Z", not "$": no trailing newline
+_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 
 # consumer groups
 TRAINER_GROUP = "trainer"
@@ -22,7 +24,10 @@ class Keys:
 
     def __init__(self, run: str):
         if not _RUN_RE.match(run):
-            raise ValueError(f"run name {run!r} must match {_RUN_RE.pattern}")
+            raise ValueError(
+                f"run name {run!r} must be a plain name: 1-64 letters, digits, '_', '.', '-', "
+                "starting with a letter or digit"
+            )
         self.run = run
         self.prefix = f"streamer:{{{run}}}"  # hash tag: one cluster slot per run
 

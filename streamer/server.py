@@ -12,6 +12,7 @@ from pathlib import Path
 import redis
 
 from streamer.errors import ServerError
+from streamer.lifecycle import child_preexec
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class EmbeddedServer:
         appendfsync: str = "everysec",
         password: str | None = None,
         extra_args: tuple[str, ...] = (),
+        die_with_parent: bool = False,
     ):
         self.data_dir = Path(data_dir).resolve()
         self.port = 0 if unix_socket else (port or free_port())
@@ -59,6 +61,7 @@ class EmbeddedServer:
         self.appendfsync = appendfsync
         self.password = password
         self.extra_args = extra_args
+        self.die_with_parent = die_with_parent  # SIGTERM (a clean shutdown) if our process dies
         self.proc: subprocess.Popen | None = None
 
     def _auth_file(self) -> Path:
@@ -104,7 +107,14 @@ class EmbeddedServer:
         args += list(self.extra_args)
         try:
             self.proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                # a session of its own: a terminal's Ctrl-C or hangup never reaches the server
+                # directly; whoever started it stops it last, after the roles that need it
+                start_new_session=True,
+                preexec_fn=child_preexec(os.getpid()) if self.die_with_parent else None,
             )
         except OSError as e:
             raise ServerError(f"cannot run valkey-server ({args[0]}): {e}") from None

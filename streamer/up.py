@@ -4,14 +4,21 @@ Starts the embedded Valkey server (unless ``--redis-url``), then the metrics exp
 the trainer, the evaluator and N producers, all through the same entry points as
 ``streamer train|produce|eval|metrics``. It prints a live progress view, and when the
 trainer has finished its steps it stops the rest in order and prints a summary.
-Running it again in the same data directory resumes the run; ``--fresh`` starts over.
+Running it again in the same data directory resumes the run; ``--fresh`` starts over
+(deleting only what Streamer created and marked, see :mod:`streamer.rundir`).
+
+Signals (see :mod:`streamer.lifecycle`): every child runs in a session of its own, so a
+terminal's Ctrl-C or hangup reaches `up` only. SIGINT, SIGTERM and SIGHUP stop the run in
+order — producers, evaluator, trainer (final checkpoint), exporter, and the server last —
+and `up` exits 130; a second signal during that stop kills the roles at once. Children
+get SIGTERM from the kernel if `up` dies without stopping them. A closed stdout (the
+terminal went away) turns progress output off instead of failing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +32,19 @@ from streamer import plot
 from streamer.bus import connect, redact
 from streamer.config import URL_ENV, RunConfig, replace
 from streamer.keys import Keys
+from streamer.lifecycle import QuietStdout, child_preexec
 from streamer.progress import Progress
+from streamer.rundir import (
+    RUN_ENTRIES,
+    RUN_MARKER,
+    SERVER_MARKER,
+    check_free,
+    mark,
+    mark_run,
+    remove_marked,
+    server_lock,
+    trainer_lock,
+)
 from streamer.server import EmbeddedServer, free_port
 
 log = logging.getLogger(__name__)
@@ -52,6 +71,7 @@ class Child:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,  # Ctrl-C reaches `up`, which stops us in order
+                preexec_fn=child_preexec(os.getpid()),  # and `up` dying stops us too
             )
 
     def exited(self) -> int | None:
@@ -68,6 +88,12 @@ class Child:
             log.warning("%s did not stop within %.0fs; killing it", self.name, grace)
             self.proc.kill()
             return self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL now (the second signal): the last checkpoint stays the resume point."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.stopping = True
+            self.proc.kill()
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -133,10 +159,10 @@ def _metrics_port(cfg: RunConfig) -> int:
 
 
 def _fresh(cfg: RunConfig, embedded: bool) -> None:
-    if cfg.run_dir.exists():
-        shutil.rmtree(cfg.run_dir)
+    """Delete the run's state: only directories Streamer marked, only what it wrote in them."""
+    remove_marked(cfg.run_dir, RUN_MARKER, RUN_ENTRIES)
     if embedded:
-        shutil.rmtree(Path(cfg.run.data_dir) / "valkey", ignore_errors=True)
+        remove_marked(Path(cfg.run.data_dir) / "valkey", SERVER_MARKER)
     else:
         client = connect(cfg.run.redis_url)
         for key in client.scan_iter(match=Keys(cfg.run.name).all_keys_pattern(), count=1000):
@@ -148,13 +174,49 @@ def main(cfg: RunConfig, args) -> int:
     embedded = not cfg.run.redis_url
     data_dir = Path(cfg.run.data_dir).resolve()
     cfg = replace(cfg, run={"data_dir": str(data_dir)})
-    if args.fresh:
-        _fresh(cfg, embedded)
-    stack = Stack()
-    if embedded:
-        stack.server = EmbeddedServer(data_dir / "valkey").start()
-        cfg = replace(cfg, run={"redis_url": stack.server.url})
-    connect(cfg.run.redis_url)  # one clear line now if the server is unusable
+    # one `up` per data dir with an embedded server, one trainer per run: fail now, one line
+    lock = server_lock(data_dir).acquire() if embedded else None
+    try:
+        check_free(trainer_lock(cfg.run_dir))
+        if args.fresh:
+            _fresh(cfg, embedded)
+        mark_run(cfg.run_dir)
+        return _run(cfg, args, started, embedded)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: RunConfig, args, started: float, embedded: bool) -> int:
+    stack, stop_requested = Stack(), threading.Event()
+
+    def on_signal(signum, frame):
+        # a second Ctrl-C / SIGTERM: no more grace for the roles (a hangup never escalates)
+        if stop_requested.is_set() and signum != signal.SIGHUP:
+            for child in stack.children.values():
+                child.kill()
+        stop_requested.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = QuietStdout(sys.stdout), QuietStdout(sys.stderr)
+    try:
+        if embedded:
+            valkey_dir = mark(Path(cfg.run.data_dir) / "valkey", SERVER_MARKER)
+            stack.server = EmbeddedServer(valkey_dir, die_with_parent=True).start()
+            cfg = replace(cfg, run={"redis_url": stack.server.url})
+        try:
+            connect(cfg.run.redis_url)  # one clear line now if the server is unusable
+            return _start_and_supervise(cfg, args, started, stack, stop_requested)
+        finally:
+            stack.stop_server()  # last: every role that needed it has stopped
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        sys.stdout, sys.stderr = streams
+
+
+def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, stop_requested) -> int:
     port = _metrics_port(cfg)
     steps = cfg.trainer.steps
     env = {**os.environ, "PYTHONUNBUFFERED": "1", URL_ENV: cfg.run.redis_url}
@@ -172,24 +234,20 @@ def main(cfg: RunConfig, args) -> int:
     specs += [
         (f"produce-{i}", _role_argv("produce", cfg, args, "--id", f"p{i}")) for i in range(args.producers)
     ]
-    for name, argv in specs:
-        stack.children[name] = Child(name, argv, logs / f"{name}.log")
-        stack.children[name].start(env)
-    print(
-        f"streamer up: run {cfg.run.name!r} on {redact(cfg.run.redis_url)}; "
-        f"{args.producers} producers; /metrics on http://{cfg.metrics.host}:{port}/metrics; "
-        f"logs in {logs}",
-        flush=True,
-    )
-    stop_requested = threading.Event()
-
-    def on_signal(signum, frame):
-        stop_requested.set()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress(cfg, target_steps=args.steps or steps, live=not args.no_progress, started=started)
     code, summary = 0, ""
     try:
+        for name, argv in specs:
+            if stop_requested.is_set():
+                break
+            stack.children[name] = Child(name, argv, logs / f"{name}.log")
+            stack.children[name].start(env)
+        print(
+            f"streamer up: run {cfg.run.name!r} on {redact(cfg.run.redis_url)}; "
+            f"{args.producers} producers; /metrics on http://{cfg.metrics.host}:{port}/metrics; "
+            f"logs in {logs}",
+            flush=True,
+        )
         code = _supervise(stack, progress, stop_requested)
         if code == 0 and not stop_requested.is_set():
             final = progress.version()  # the evaluator scores every eval_every-th version
@@ -198,17 +256,12 @@ def main(cfg: RunConfig, args) -> int:
     finally:
         print("\nstreamer up: stopping (producers, evaluator, trainer, exporter, server) ...", flush=True)
         stack.stop_children()
-        try:
-            elapsed = time.monotonic() - started
-            summary = progress.summary(elapsed, cfg.weights_dir)
-            progress.record(cfg.run_dir / "curve.json", elapsed)
-            title = f"run {cfg.run.name}: {progress.train_step} steps, {progress.groups} groups"
-            if picture := plot.save_quietly(progress.history, cfg.run_dir / "run.png", title=title):
-                summary += f"\n  picture            {picture}"
-        finally:
-            stack.stop_server()
-            for s, h in old.items():
-                signal.signal(s, h)
+        elapsed = time.monotonic() - started
+        summary = progress.summary(elapsed, cfg.weights_dir)
+        progress.record(cfg.run_dir / "curve.json", elapsed)
+        title = f"run {cfg.run.name}: {progress.train_step} steps, {progress.groups} groups"
+        if picture := plot.save_quietly(progress.history, cfg.run_dir / "run.png", title=title):
+            summary += f"\n  picture            {picture}"
     failed = stack.failed()
     if failed is not None:
         code = 1
@@ -222,11 +275,11 @@ def main(cfg: RunConfig, args) -> int:
 
 
 def _supervise(stack: Stack, progress: Progress, stop: threading.Event) -> int:
-    trainer = stack.children["train"]
+    trainer = stack.children.get("train")  # None when a signal came before it started
     while not stop.is_set():
         if stack.failed() is not None:
             return 1
-        if trainer.exited() == 0:
+        if trainer is not None and trainer.exited() == 0:
             return 0
         progress.tick()
         stop.wait(1.0)

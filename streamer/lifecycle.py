@@ -1,0 +1,126 @@
+"""Process lifetimes under `streamer up`: who receives a terminal's signals, who outlives whom.
+
+A terminal sends SIGINT (Ctrl-C) to its whole foreground process group and SIGHUP to it when
+it closes. `up` alone should decide the order in which things stop (producers, evaluator,
+trainer — which writes its final checkpoint — exporter, and the server last), so every child
+it starts runs in a session of its own (``start_new_session=True``): no terminal signal
+reaches it directly. The other half: a child must not outlive `up` when `up` itself dies
+without stopping it (SIGKILL, the OOM killer). :func:`child_preexec` asks the Linux kernel
+to send the child SIGTERM when its parent dies (``PR_SET_PDEATHSIG``) — the graceful signal,
+so a trainer still checkpoints (Linux only; elsewhere stop `up` with a signal, not SIGKILL).
+
+The second-signal rule, one for every process: the first SIGINT/SIGTERM/SIGHUP asks for a
+graceful stop; a second one, while that stop is under way, means "now": `up` SIGKILLs the
+roles (the trainer's last checkpoint stays valid; what was trained since is trained again
+on the next start) and still stops the server cleanly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import sys
+import threading
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+ORPHAN_GRACE = 60.0  # seconds a role whose supervisor died has to stop before it exits anyway
+_PARENT = os.getppid()  # who started this process (a fact of the process, read once)
+
+
+def _prctl_pdeathsig(sig: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except OSError:
+        return False
+
+
+def child_preexec(parent_pid: int, sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` for Popen: the child gets ``sig`` when ``parent_pid`` dies.
+
+    Runs between fork and exec (async-signal-safe work only). If the parent died before
+    the request took effect, the child exits at once instead of running orphaned.
+    """
+
+    def preexec() -> None:
+        _prctl_pdeathsig(sig)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
+
+
+def exit_if_orphaned(what: str, grace: float = ORPHAN_GRACE) -> bool:
+    """From a stop-signal handler: if our supervisor is gone, exit within ``grace`` seconds.
+
+    The supervisor's death took the embedded server with it, so a graceful stop may wait on
+    a server that will never answer; without this backstop such a role would live forever.
+    A role stopped by a living supervisor (or by hand) is never cut short.
+    """
+    if os.getppid() == _PARENT:
+        return False
+
+    def fire() -> None:
+        os.write(2, f"{what}: supervisor gone and not stopped after {grace:.0f}s; exiting\n".encode())
+        os._exit(1)
+
+    timer = threading.Timer(grace, fire)
+    timer.daemon = True
+    timer.start()
+    return True
+
+
+class QuietStdout:
+    """stdout that survives its reader going away (a closed terminal, ``up | head``).
+
+    The first failed write switches output off instead of raising into the supervisor loop:
+    the run is worth more than its progress lines. A closed terminal also sends SIGHUP,
+    which is what stops `up`.
+    """
+
+    def __init__(self, stream):
+        self.stream, self.closed_reader = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.closed_reader:
+            try:
+                return self.stream.write(text)
+            except (OSError, ValueError):
+                self._lost()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_reader:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self._lost()
+
+    def _lost(self) -> None:
+        self.closed_reader = True
+        log.warning("stdout is closed; continuing without progress output")
+        try:  # the interpreter's own flush at exit must not fail either
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+
+    def isatty(self) -> bool:
+        try:
+            return not self.closed_reader and self.stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)

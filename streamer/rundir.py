@@ -1,0 +1,119 @@
+"""What Streamer owns on disk, and who may use it at once.
+
+- **Names.** A run name is a plain file name (see :mod:`streamer.keys`): never ``.``,
+  ``..``, a path, or hidden, so ``{data_dir}/{run}`` is always a child of the data dir.
+- **Markers.** Every directory Streamer creates for a run, and the embedded server's data
+  directory, holds a marker file. ``--fresh`` deletes only marked directories, and inside
+  them only the entries Streamer writes; anything else is left alone with a clear error.
+- **Locks.** ``fcntl.flock`` on a lock file: ``{data_dir}/.server.lock`` while an `up`
+  runs the embedded server there, ``{data_dir}/{run}/.trainer.lock`` while a trainer
+  trains the run. The kernel drops a lock when its holder dies, so a crash leaves nothing
+  to clean up; a second holder gets one line naming the first one's pid.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+from streamer.errors import ConfigError, StreamerError
+
+RUN_MARKER = ".streamer-run"  # {data_dir}/{run}/: created by streamer for this run
+SERVER_MARKER = ".streamer-server"  # {data_dir}/valkey/: the embedded server's data
+SERVER_LOCK = ".server.lock"
+TRAINER_LOCK = ".trainer.lock"
+# what Streamer writes inside a run directory (anything else is the user's and is kept)
+RUN_ENTRIES = ("weights", "checkpoints", "logs", "curve.json", TRAINER_LOCK, RUN_MARKER)
+
+
+class LockedError(StreamerError):
+    """Another process holds the data dir or run this process needs."""
+
+
+def mark(directory: Path, marker: str) -> Path:
+    """Create ``directory`` (if needed) and mark it as Streamer's."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / marker).touch()
+    return directory
+
+
+def mark_run(run_dir: Path) -> Path:
+    return mark(run_dir, RUN_MARKER)
+
+
+def remove_marked(directory: Path, marker: str, entries: tuple[str, ...] | None = None) -> bool:
+    """Delete a directory Streamer marked (only ``entries`` of it, if given); False if absent.
+
+    Raises ConfigError for an unmarked directory: it was not created by Streamer.
+    """
+    directory = Path(directory)
+    if not directory.exists():
+        return False
+    if directory.is_symlink() or not (directory / marker).is_file():
+        raise ConfigError(
+            f"{directory} has no {marker} marker, so Streamer did not create it; "
+            "refusing to delete it (remove it yourself if it should go)"
+        )
+    if entries is None:
+        shutil.rmtree(directory)
+        return True
+    for name in entries:
+        path = directory / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    try:
+        directory.rmdir()  # only if nothing of the user's is left
+    except OSError:
+        pass
+    return True
+
+
+class FileLock:
+    """An exclusive, non-blocking ``flock`` held until :meth:`release` or process exit."""
+
+    def __init__(self, path: Path, what: str):
+        self.path, self.what = Path(path), what
+        self._fd: int | None = None
+
+    def acquire(self) -> FileLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise LockedError(f"{self.what} is in use by {holder} (lock {self.path})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> FileLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def server_lock(data_dir: Path) -> FileLock:
+    return FileLock(Path(data_dir) / SERVER_LOCK, f"data dir {data_dir} (its embedded server)")
+
+
+def trainer_lock(run_dir: Path) -> FileLock:
+    return FileLock(Path(run_dir) / TRAINER_LOCK, f"run {Path(run_dir).name} in {Path(run_dir).parent}")
+
+
+def check_free(lock: FileLock) -> None:
+    """Fail now (one line) if ``lock`` is held elsewhere; does not keep it."""
+    lock.acquire().release()
