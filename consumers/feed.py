@@ -9,7 +9,8 @@ Entry bookkeeping, which the exactly-once guarantee rests on:
 
 - an entry at or below the checkpoint's high-water id is already in the persisted model:
   it is acknowledged, never trained again;
-- a rejected entry is acknowledged in the same MULTI as the release of its admission slot;
+- a rejected entry is acknowledged in the same MULTI as the release of its admission slot
+  (a dead-lettered one likewise, by the consumer's ``on_gone``);
 - accepted entries are trained in stream-id order (the buffer is kept sorted, and groups
   handed back dissolve the batch built ahead), so every entry not yet trained is above the
   high-water id of what was: acknowledging "at or below high-water" after a crash is exact;
@@ -126,7 +127,7 @@ class Feeder:
         ids = [entry_id for entry_id, _ in rejected]
         pipe = self.consumer.client.pipeline(transaction=True)
         pipe.xack(self.consumer.stream, self.consumer.group, *ids)
-        self.admission.release(len(ids), pipe=pipe)
+        self.admission.release(ids, pipe=pipe)  # only slots these groups hold, each once
         retrying(pipe.execute, what="rejecting groups")
         with self._cond:
             self._rejected.update(reason for _, reason in rejected)
@@ -208,6 +209,7 @@ class Feeder:
         if covered:
             log.info("acknowledging %d entries already in the checkpoint", len(covered))
             retrying(lambda: self.consumer.ack(covered), what="acknowledging trained entries")
+            retrying(lambda: self.admission.release(covered), what="releasing admission slots")
         self.reject(rejected)
         with self._cond:
             self._merge(accepted)

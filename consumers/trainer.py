@@ -115,8 +115,11 @@ class Trainer:
             as_type=TrajectoryGroup,
             cfg=self.cfg.bus,
             validate=partial(unusable, vocab_size=vocab),
+            on_gone=lambda ids, pipe: self.admission.release(ids, pipe=pipe),
         )
         self._ack_covered_pending()
+        in_flight = self.admission.reconcile(TRAINER_GROUP)  # slots of what is gone come back
+        log.info("admission: %d groups in flight", in_flight)
         tc = self.tc
         self.feeder = Feeder(
             consumer,
@@ -230,6 +233,8 @@ class Trainer:
         self.trained.extend((e, g.group_id) for e, g in zip(ready.entry_ids, ready.groups))
         self.high_water = max([self.high_water, *ready.entry_ids], key=parse_id)
         self.version += 1
+        # trained: these groups no longer count against the staleness window
+        retrying(lambda: self.admission.release(ready.entry_ids), what="releasing admission slots")
         blocked = self.versions.submit(self.learner.publishable, version=self.version, step=self.step)
         # Trained entries stay unacknowledged until a checkpoint covers them, and producers
         # wait while bus.max_unacked entries are: checkpoint early rather than deadlock.

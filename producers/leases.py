@@ -18,7 +18,8 @@ Admission slots are tied to leases as well: the producer's admission
 (``Admission.try_admit(ticket, owner)``, or :meth:`Leases.hold_slot` for a slot taken
 separately) records that a ticket holds a slot (``keys.lease_slots``), and whoever ends a lease without
 publishing (hand back, finish, or the sweep of a dead producer's lease) gives the slot
-back, so a crashed producer cannot leak admission capacity.
+back, so a crashed producer cannot leak admission capacity. Publishing moves the slot to
+the entry (``keys.held_slots``); the trainer gives it back (streamer/admission.py).
 """
 
 from __future__ import annotations
@@ -87,13 +88,14 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS: traj leases owner slots ; ARGV: ticket owner field payload
+# KEYS: traj leases owner slots held ; ARGV: ticket owner field payload
+# The ticket's admission slot moves to the published entry, which the trainer releases.
 _PUBLISH = """
 if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return false end
 local id = redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('SREM', KEYS[4], ARGV[1])
+if redis.call('SREM', KEYS[4], ARGV[1]) == 1 then redis.call('SADD', KEYS[5], id) end
 return id
 """
 
@@ -160,7 +162,7 @@ class Leases:
         """
         k = self.keys
         entry = self._publish(
-            keys=[k.traj, k.leases, k.lease_owner, k.lease_slots],
+            keys=[k.traj, k.leases, k.lease_owner, k.lease_slots, k.held_slots],
             args=[ticket, self.owner, FIELD, payload],
         )
         return None if entry is None else entry.decode() if isinstance(entry, bytes) else entry

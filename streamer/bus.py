@@ -216,10 +216,14 @@ class Consumer(Generic[T]):
         cfg: BusSection,
         start_id: str = "0",
         validate: Callable[[T], str | None] | None = None,
+        on_gone: Callable[[list[str], object], None] | None = None,
     ):
         self.client, self.keys, self.stream, self.group, self.name = client, keys, stream, group, name
         self.as_type, self.cfg = as_type, cfg
         self.validate = validate  # event -> reason it is unusable (dead-lettered), or None
+        # (entry ids, pipeline or None): entries this consumer will never deliver (dead-lettered,
+        # deleted while pending), so their owner can let go of them (the trainer: admission slots)
+        self.on_gone = on_gone
         self.dead_lettered = 0
         self._pending_cursor: str | None = "0"  # None once our own pending list is drained
         self._next_claim = 0.0
@@ -276,11 +280,12 @@ class Consumer(Generic[T]):
 
     def _claim(self, count: int) -> list:
         idle_ms = int(self.cfg.claim_idle_seconds * 1000)
-        _, entries, deleted = self.client.xautoclaim(
-            self.stream, self.group, self.name, idle_ms, "0-0", count=count
-        )[:3]
+        reply = self.client.xautoclaim(self.stream, self.group, self.name, idle_ms, "0-0", count=count)
+        # Redis 7.0+ replies [cursor, entries, deleted ids]; 6.2 has no third item
+        entries, deleted = reply[1], (reply[2] if len(reply) > 2 else [])
         if deleted:  # trimmed while pending: nothing to deliver; the claim already removed them
             log.warning("%s: %d claimed entries no longer exist", self.stream, len(deleted))
+            self._gone([_s(d) for d in deleted])
         if entries:
             log.info("%s: claimed %d idle entries from other consumers", self.stream, len(entries))
         return entries
@@ -292,6 +297,7 @@ class Consumer(Generic[T]):
             entry_id = _s(raw_id)
             if not fields:  # deleted while pending (history read): nothing to deliver
                 self.ack([entry_id])
+                self._gone([entry_id])
                 continue
             payload = fields.get(FIELD)
             n = counts.get(entry_id, 1)
@@ -313,6 +319,10 @@ class Consumer(Generic[T]):
             self._dead_letter(dead)
         return out
 
+    def _gone(self, entry_ids: list[str], pipe=None) -> None:
+        if self.on_gone is not None and entry_ids:
+            self.on_gone(entry_ids, pipe)
+
     def _delivery_counts(self, entries: list) -> dict[str, int]:
         lo, hi = _s(entries[0][0]), _s(entries[-1][0])
         rows = self.client.xpending_range(
@@ -333,6 +343,7 @@ class Consumer(Generic[T]):
             )
             pipe.xadd(self.keys.dead, {FIELD: encode(letter)}, maxlen=DEAD_MAXLEN, approximate=True)
             pipe.xack(self.stream, self.group, entry_id)
+        self._gone([entry_id for entry_id, _, _ in dead], pipe)
         pipe.execute()
         self.dead_lettered += len(dead)
 

@@ -345,9 +345,20 @@ def load_config(path: str | Path | None) -> RunConfig:
     return parse_config(raw, source=str(path))
 
 
+def check_across_sections(cfg: RunConfig, source: str = "<config>") -> RunConfig:
+    """Limits that involve two sections (a test may still build such a config by hand)."""
+    if cfg.bus.max_unacked < cfg.trainer.groups_per_step:
+        raise ConfigError(
+            f"{source}: `bus.max_unacked` ({cfg.bus.max_unacked}) must be >= `trainer.groups_per_step` "
+            f"({cfg.trainer.groups_per_step}): producers stop publishing before one step's groups "
+            "are out, so the trainer could never take a step"
+        )
+    return cfg
+
+
 def parse_config(raw: bytes | str, *, source: str = "<config>") -> RunConfig:
     try:
-        return msgspec.toml.decode(raw, type=RunConfig)
+        return check_across_sections(msgspec.toml.decode(raw, type=RunConfig), source)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{source}: {_pretty(str(e))}") from None
     except msgspec.DecodeError as e:

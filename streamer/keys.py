@@ -73,12 +73,16 @@ class Keys:
         return self._k("lease_slots")  # SET of tickets that hold an admission slot
 
     @property
+    def held_slots(self) -> str:
+        return self._k("held_slots")  # SET of trajectory entry ids whose group holds an admission slot
+
+    @property
     def requeue(self) -> str:
         return self._k("requeue")  # LIST of tickets whose lease expired, handed out first
 
     @property
     def admitted(self) -> str:
-        return self._k("admitted")  # groups admitted and not released
+        return self._k("admitted")  # groups in flight: admitted, not yet trained or released
 
     @property
     def version(self) -> str:

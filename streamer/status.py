@@ -22,6 +22,7 @@ import msgspec
 import redis
 
 from schemas import DeadLetter, DecodeError, WeightSync, decode
+from streamer.admission import admission_limit
 from streamer.bus import FIELD, connect, redact
 from streamer.config import RunConfig
 from streamer.keys import TRAINER_GROUP, Keys
@@ -86,7 +87,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     dead_last: list[DeadEntry]  # newest first
     admitted: int  # admission slots held (groups admitted and not released)
     limits: dict[str, int]  # as written by the trainer: max_staleness, groups_per_step
-    admission_limit: int | None  # (max_staleness + version + 1) * groups_per_step, as admission checks
+    admission_limit: int | None  # (max_staleness + 1) * groups_per_step groups in flight, as admission checks
     waiting_groups: int  # trajectory entries the trainer group has not acknowledged
     stalled: bool = False
     reasons: list[str] = []
@@ -212,7 +213,7 @@ def _group(client: redis.Redis, key: str, g: dict) -> GroupInfo:
 def _admission_limit(limits: dict[str, int], version: int) -> int | None:
     if not {"max_staleness", "groups_per_step"} <= limits.keys():
         return None  # no trainer has published its limits yet
-    return (limits["max_staleness"] + version + 1) * limits["groups_per_step"]
+    return admission_limit(limits["max_staleness"], limits["groups_per_step"])
 
 
 def _waiting(traj: StreamInfo) -> int:

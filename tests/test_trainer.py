@@ -102,12 +102,15 @@ def test_rejections_release_slots_and_are_counted(redis_url, keys, client, tmp_p
     overlong = make_group(rng, version=5, rewards=(1, 0, 1), finishes=["length"] * 3)
     lonely = make_group(rng, version=5, rewards=(1,))
     good = [make_group(rng, version=v) for v in (5, 6)]
-    publish(client, keys.traj, [stale, flat, overlong, lonely, *good])
-    client.set(keys.admitted, 6)  # as the producers' admission would have
+    ids = publish(client, keys.traj, [stale, flat, overlong, lonely, *good])
+    client.sadd(keys.held_slots, *ids[1:])  # as the producers' admission would have (not `stale`)
+    client.set(keys.admitted, 77)  # and a counter a bug left wrong: the trainer recounts it
     cfg = _cfg(redis_url, keys, tmp_path, steps=1)
     assert _trainer(cfg, client, keys).run() == 0
 
-    assert int(client.get(keys.admitted)) == 2  # the four rejected groups gave their slots back
+    # the rejected groups gave their slots back, the trained ones too, and the one that never
+    # held a slot gave back nothing: exactly zero, never negative
+    assert int(client.get(keys.admitted)) == 0 and client.scard(keys.held_slots) == 0
     assert policy_versions(client, keys.policy) == [(6, 0), (7, 1)]
     assert int(client.get(keys.version)) == 7
     assert client.hgetall(keys.limits) == {b"max_staleness": b"1", b"groups_per_step": b"2"}

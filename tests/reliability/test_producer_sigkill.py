@@ -52,6 +52,7 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
             "remote_retries": 0,
         },
         trainer={"groups_per_step": 1000},
+        bus={"max_unacked": 1000},
     )
     kills, died_holding, tickets_killed = 0, 0, Counter()
     for wave, victims in enumerate(WAVES):
