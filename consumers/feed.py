@@ -70,11 +70,13 @@ class Feeder:
         high_water: str = "0-0",
         pin_memory: bool = False,
         block_seconds: float = 0.5,
+        staleness: Callable[[TrajectoryGroup], int] | None = None,
     ):
         self.consumer, self.admission, self.filter = consumer, admission, group_filter
         self.groups_per_step, self.collate, self.version = groups_per_step, collate, version
         self.high_water, self.pin_memory, self.block_seconds = high_water, pin_memory, block_seconds
         self.touch_every = consumer.cfg.claim_idle_seconds / 4
+        self.staleness = staleness  # group -> trainer steps from the current weights (lineage)
         self._buffer: collections.deque[tuple[str, TrajectoryGroup]] = collections.deque()
         self._ready: Ready | None = None
         self._generation = 0  # bumped when groups are handed back: a batch being built is void
@@ -220,7 +222,7 @@ class Feeder:
             return entry_id in self._owned
 
     def _judge(self, d: Delivery[TrajectoryGroup], rejected: list, accepted: list) -> None:
-        verdict = self.filter(d.event, version=self.version())
+        verdict = self.filter(d.event, version=self.version(), staleness=self.staleness)
         if verdict.accepted:
             accepted.append((d.id, verdict.group))
         else:

@@ -69,8 +69,12 @@ def unusable(group: TrajectoryGroup, *, vocab_size: int) -> str | None:
     return None
 
 
-def is_stale(group: TrajectoryGroup, *, version: int, max_staleness: int) -> bool:
-    return version - group.policy_version > max_staleness
+def is_stale(
+    group: TrajectoryGroup, *, version: int, max_staleness: int, staleness: Callable | None = None
+) -> bool:
+    """``staleness(group)`` (consumers/lineage.py) if given, else version numbers apart."""
+    lag = staleness(group) if staleness is not None else version - group.policy_version
+    return lag > max_staleness
 
 
 def load_predicate(path: str, *, what: str = "`trainer.user_filter`") -> GroupPredicate:
@@ -105,8 +109,8 @@ class GroupFilter:
             max_seq_len=cfg.max_seq_len,
         )
 
-    def __call__(self, group: TrajectoryGroup, *, version: int) -> Verdict:
-        if is_stale(group, version=version, max_staleness=self.max_staleness):
+    def __call__(self, group: TrajectoryGroup, *, version: int, staleness: Callable | None = None) -> Verdict:
+        if is_stale(group, version=version, max_staleness=self.max_staleness, staleness=staleness):
             return Verdict(None, "stale")
         if self.max_seq_len and any(s.num_tokens > self.max_seq_len for s in group.samples):
             return Verdict(None, "too_long")

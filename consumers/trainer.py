@@ -39,15 +39,17 @@ from consumers.distributed import DataParallel
 from consumers.feed import Feeder, Ready, parse_id
 from consumers.filters import GroupFilter, is_stale, unusable
 from consumers.learner import Learner
+from consumers.lineage import Lineage
 from consumers.versions import VersionPublisher
-from schemas import MetricsEvent, TrajectoryGroup, WeightSync, encode
+from schemas import DecodeError, MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from schemas.metric_names import REJECT_REASONS
-from streamer import lifecycle, lora, models, rundir
+from streamer import lifecycle, lora, models, rundir, weights
 from streamer.admission import Admission
 from streamer.bus import FIELD, Consumer, Tail, connect, retrying, trim_acked
 from streamer.config import RunConfig
 from streamer.errors import StreamerError
 from streamer.keys import ARCHIVE_GROUP, TRAINER_GROUP, Keys
+from streamer.values import parse_int
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class Trainer:
         self.high_water = "0-0"  # newest entry id trained into the model
         self.trained: list[tuple[str, str]] = []  # (entry id, group id) since the last checkpoint
         self.feeder: Feeder | None = None
+        self.lineage = Lineage()  # staleness along the version tree (consumers/lineage.py)
         self.give_up_after: float | None = None  # server outage allowed to outputs; None = wait
         self.versions = VersionPublisher(
             client,
@@ -100,8 +103,11 @@ class Trainer:
 
     def start(self) -> None:
         self._restore()
+        self._check_server_state()
         self.version = self._next_version()
+        self.lineage = Lineage().load(self._policy_history())
         self.versions.publish_now(self.learner.publishable, version=self.version, step=self.step)
+        self.lineage.add(self.version, self.step)
         log.info("policy version %d at step %d (%s)", self.version, self.step, self.parent or "initial")
         tc = self.tc
         self.admission.publish_limits(max_staleness=tc.max_staleness, groups_per_step=tc.groups_per_step)
@@ -128,6 +134,7 @@ class Trainer:
             groups_per_step=tc.groups_per_step,
             collate=collator(tc),
             version=lambda: self.version,
+            staleness=self.lineage.staleness,
             high_water=self.high_water,
             pin_memory=self.learner.device.type == "cuda",
             block_seconds=min(self.cfg.bus.block_seconds, 0.5),
@@ -147,14 +154,47 @@ class Trainer:
         log.info("restored checkpoint %s (step %d, high-water %s)", meta.name, meta.step, meta.high_water)
 
     def _next_version(self) -> int:
-        """One past the newest version anywhere (policy stream, version key); 0 on a new run."""
+        """One past the newest version anywhere: policy stream, version key, the checkpoint,
+        the weights on disk (a server that lost its data must not make numbers repeat)."""
         newest = Tail(self.client, self.keys.policy, as_type=WeightSync).latest()
         known = [v.version for v in [newest] if v is not None]
         if (raw := self.client.get(self.keys.version)) is not None:
-            known.append(int(raw))
+            known.append(parse_int(raw, self.keys.version))
         if newest is None and self.client.xlen(self.keys.policy):
             raise StreamerError(f"newest entry of {self.keys.policy} does not decode; cannot pick a version")
-        return max(known) + 1 if known else 0
+        known += [self.checkpointed_version, *weights.versions(self.cfg.weights_dir)]
+        return max(known) + 1 if max(known, default=-1) >= 0 else 0
+
+    def _policy_history(self) -> list[WeightSync]:
+        syncs = []
+        for entry_id, fields in self.client.xrange(self.keys.policy):
+            try:
+                syncs.append(decode(fields.get(FIELD, b""), WeightSync))
+            except DecodeError:
+                log.warning("%s %s does not decode; left out of the lineage", self.keys.policy, entry_id)
+        return syncs
+
+    def _check_server_state(self) -> None:
+        """A checkpoint without the run's marker key: the server lost this run's data."""
+        marker = self.keys.run_marker
+        if self.client.exists(marker):
+            return
+        now = time.time()
+        # no marker but a policy: a run from before markers existed, not a loss
+        empty = not self.client.exists(self.keys.policy, self.keys.version)
+        if self.parent is not None and empty:
+            log.error(
+                "the server has no state for run %s, but checkpoint %s exists: the server lost its "
+                "data (restarted without persistence, or flushed). The model is safe: training resumes "
+                "from %s under a new version number; the groups in flight and the dataset position "
+                "were lost with the server (rows are handed out again). If the server should still "
+                "have them, stop now and restore its data (AOF/RDB) before starting the trainer again.",
+                self.keys.run,
+                self.parent,
+                self.parent,
+            )
+            self.client.hset(marker, mapping={"data_lost_at": now, "resumed_from": self.parent})
+        self.client.hsetnx(marker, "created_at", now)
 
     def _ack_covered_pending(self) -> None:
         """Pending entries the checkpoint covers (a crash between checkpoint and XACK)."""
@@ -216,7 +256,11 @@ class Trainer:
                 continue
             entries = list(zip(ready.entry_ids, ready.groups))
             window = self.tc.max_staleness
-            stale = {i for i, g in entries if is_stale(g, version=self.version, max_staleness=window)}
+            stale = {
+                i
+                for i, g in entries
+                if is_stale(g, version=self.version, max_staleness=window, staleness=self.lineage.staleness)
+            }
             if not stale:
                 return ready, time.monotonic() - start
             self.feeder.reject([(i, "stale") for i in stale])  # the version moved on while it waited
@@ -224,7 +268,7 @@ class Trainer:
         return None, time.monotonic() - start
 
     def _train(self, ready: Ready, waited: float) -> None:
-        lags = [self.version - g.policy_version for g in ready.groups]
+        lags = [self.lineage.staleness(g) for g in ready.groups]
         t0 = time.monotonic()
         if self.dp:
             self.dp.send_batch(ready.batch)
@@ -233,6 +277,7 @@ class Trainer:
         self.trained.extend((e, g.group_id) for e, g in zip(ready.entry_ids, ready.groups))
         self.high_water = max([self.high_water, *ready.entry_ids], key=parse_id)
         self.version += 1
+        self.lineage.add(self.version, self.step)
         # trained: these groups no longer count against the staleness window
         retrying(lambda: self.admission.release(ready.entry_ids), what="releasing admission slots")
         blocked = self.versions.submit(self.learner.publishable, version=self.version, step=self.step)

@@ -141,7 +141,8 @@ class VersionPublisher:
         )
         if not added:  # our first try went through; its reply was lost
             log.info("version %d was already announced (a retry after a lost reply)", version)
-        weights.prune(self.root, self.keep_versions, protect=(self.protect(),))
+        # never the version just announced (the newest), whatever the numbers on disk say
+        weights.prune(self.root, self.keep_versions, protect=(self.protect(), version))
         self.last_seconds = time.monotonic() - start
 
     def _raise_if_failed(self) -> None:

@@ -107,5 +107,9 @@ class Keys:
     def reload_lock(self, server: str) -> str:
         return self._k(f"reload_lock:{server}")  # STRING (PX): token of the one producer reloading it
 
+    @property
+    def run_marker(self) -> str:
+        return self._k("run")  # HASH created_at [data_lost_at resumed_from]: the trainer's; gone = data lost
+
     def all_keys_pattern(self) -> str:
         return f"{self.prefix}:*"

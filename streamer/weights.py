@@ -177,6 +177,18 @@ def writing(what: str, directory: Path):
         raise DiskError(f"cannot write {what} in {directory}: {reason}") from e
 
 
+def versions(root: Path) -> list[int]:
+    """Version numbers with a weights directory under ``root``, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(
+        int(p.name[len(_PREFIX) :])
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit()
+    )
+
+
 def prune(root: Path, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
     """Delete all but the newest ``keep`` versions (and stale temp dirs); returns deleted."""
     root = Path(root)

@@ -1,0 +1,32 @@
+"""Values read back from Redis, parsed defensively: a bad one is an error naming its key.
+
+A counter an operator set by hand, a key of the wrong type, a field a bug wrote: each
+becomes one :class:`DataError` line that says which key holds what, instead of a
+traceback from ``int()`` deep inside a role.
+"""
+
+from __future__ import annotations
+
+from streamer.errors import StreamerError
+
+
+class DataError(StreamerError, ValueError):
+    """A value in the server that this version of Streamer cannot use."""
+
+
+def parse_int(raw, key: str, *, default: int | None = None, minimum: int | None = None) -> int:
+    """``raw`` (bytes, str, int or None) as an int; DataError naming ``key`` otherwise."""
+    if raw is None:
+        if default is None:
+            raise DataError(f"{key} is missing")
+        return default
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    try:
+        value = int(text)
+    except ValueError:
+        raise DataError(
+            f"{key} holds {text[:40]!r}, not an integer; fix or delete the key (`DEL {key}`)"
+        ) from None
+    if minimum is not None and value < minimum:
+        raise DataError(f"{key} holds {value}, below {minimum}; fix or delete the key (`DEL {key}`)")
+    return value
