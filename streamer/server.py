@@ -54,6 +54,7 @@ class EmbeddedServer:
         password: str | None = None,
         extra_args: tuple[str, ...] = (),
         die_with_parent: bool = False,
+        binary: str | Path | None = None,
     ):
         self.data_dir = Path(data_dir).resolve()
         self.port = 0 if unix_socket else (port or free_port())
@@ -61,6 +62,7 @@ class EmbeddedServer:
         self.appendfsync = appendfsync
         self.password = password
         self.extra_args = extra_args
+        self.binary = binary  # another redis-server / valkey-server (tests of older servers)
         self.die_with_parent = die_with_parent  # SIGTERM (a clean shutdown) if our process dies
         self.proc: subprocess.Popen | None = None
 
@@ -82,7 +84,7 @@ class EmbeddedServer:
     def start(self, timeout: float = 15.0) -> EmbeddedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            str(valkey_binary()),
+            str(self.binary or valkey_binary()),
             "--port",
             str(self.port),
             "--bind",
