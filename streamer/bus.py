@@ -42,14 +42,37 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 # ---------------------------------------------------------------- connecting
 
 
-def redact(url: str) -> str:
-    """The URL with any password replaced by ***, safe for logs."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+def redact(url: str, text: str | None = None) -> str:
+    """``text`` (default: the URL itself) with the URL's password replaced by ***, safe for logs.
+
+    Not by URL parsing alone: a password with ``#``, ``/`` or ``?`` in it makes the parser cut
+    the netloc short. The raw userinfo (between ``scheme://`` and the last ``@``) becomes
+    ``user:***``, and every other form of the password (as split from it, as parsed, and
+    percent-decoded) is removed wherever it occurs in ``text``.
+    """
+    text = url if text is None else text
+    scheme, sep, rest = url.partition("://")
+    userinfo = rest.rpartition("@")[0] if sep else ""
+    user, colon, password = userinfo.partition(":")
+    if not colon or not password:
+        return text
+    text = text.replace(userinfo, f"{user}:***")
+    forms = {password, urllib.parse.unquote(password)}
+    try:
+        if parsed := urllib.parse.urlsplit(url).password:
+            forms |= {parsed, urllib.parse.unquote(parsed)}
+    except ValueError:  # a netloc the parser rejects (e.g. a bad port): the forms above remain
+        pass
+    for secret in sorted(forms, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _encoding_hint(url: str) -> str:
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    if any(c in userinfo.partition(":")[2] for c in "#/?@"):
+        return "; a password with '#', '/', '?' or '@' must be percent-encoded (%23 %2F %3F %40)"
+    return ""
 
 
 def connect(
@@ -70,13 +93,16 @@ def connect(
     cluster = parts.scheme in CLUSTER_SCHEMES
     if parts.scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
         raise ConfigError(
-            f"redis URL {redact(url)!r}: scheme must be redis://, rediss://, unix:// "
-            "or redis+cluster:// (rediss+cluster://)"
+            redact(
+                url,
+                f"redis URL {url!r}: scheme must be redis://, rediss://, unix:// "
+                "or redis+cluster:// (rediss+cluster://)",
+            )
         )
     if parts.scheme != "unix" and not parts.hostname:
-        raise ConfigError(f"redis URL {redact(url)!r} has no host")
+        raise ConfigError(redact(url, f"redis URL {url!r} has no host{_encoding_hint(url)}"))
     if parts.scheme == "unix" and not parts.path:
-        raise ConfigError(f"redis URL {redact(url)!r} has no socket path")
+        raise ConfigError(redact(url, f"redis URL {url!r} has no socket path"))
     try:
         client = (RedisCluster if cluster else redis.Redis).from_url(
             url.replace("+cluster://", "://", 1) if cluster else url,
@@ -89,7 +115,8 @@ def connect(
             protocol=2,  # RESP2 on every redis-py version and server (the shapes we parse)
         )
     except ValueError as e:
-        raise ConfigError(f"redis URL {redact(url)!r}: {e}") from None
+        why = _encoding_hint(url) or f": {e}"  # the parser's message may quote a piece of the password
+        raise ConfigError(redact(url, f"redis URL {url!r} cannot be used{why}")) from None
     if check:
         check_server(client, url)
     return client
@@ -99,16 +126,18 @@ def check_server(client: redis.Redis, url: str) -> tuple[int, ...]:
     try:
         info = client.info("server")
     except redis.exceptions.AuthenticationError as e:
-        raise ServerError(f"{redact(url)}: authentication failed ({e})") from None
+        raise ServerError(redact(url, f"{url}: authentication failed ({e})")) from None
     except redis.exceptions.ResponseError as e:
-        raise ServerError(f"{redact(url)}: {e}") from None
+        raise ServerError(redact(url, f"{url}: {e}")) from None
     except TRANSIENT as e:
-        raise ServerError(f"cannot reach the server at {redact(url)}: {e}") from None
+        raise ServerError(redact(url, f"cannot reach the server at {url}: {e}")) from None
     raw = str(info.get("valkey_version") or info.get("redis_version") or "0")
     version = tuple(int(p) for p in raw.split(".")[:3] if p.isdigit())
     # valkey reports redis_version 7.2.4 for compatibility; either way it must be >= 6.2
     if version[:2] < MIN_SERVER:
-        raise ServerError(f"server at {redact(url)} is version {raw}; streamer needs >= 6.2 (XAUTOCLAIM)")
+        raise ServerError(
+            redact(url, f"server at {url} is version {raw}; streamer needs >= 6.2 (XAUTOCLAIM)")
+        )
     return version
 
 

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import time
+import urllib.parse
 from pathlib import Path
 
 import redis
@@ -76,7 +77,7 @@ class EmbeddedServer:
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
         if self.socket_path:
             return f"unix://{auth}{self.socket_path}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
