@@ -33,9 +33,11 @@ from consumers.batch import Batch
 from consumers.filters import GroupFilter
 from schemas import TrajectoryGroup
 from streamer.admission import Admission
-from streamer.bus import Consumer, Delivery, retrying
+from streamer.bus import Consumer, Delivery, retrying, trim_acked
 
 log = logging.getLogger(__name__)
+
+TRIM_SECONDS = 1.0  # the least time between two trims after rejections
 
 
 @dataclass
@@ -71,12 +73,14 @@ class Feeder:
         pin_memory: bool = False,
         block_seconds: float = 0.5,
         staleness: Callable[[TrajectoryGroup], int] | None = None,
+        trim_lag: dict[str, int] | None = None,
     ):
         self.consumer, self.admission, self.filter = consumer, admission, group_filter
         self.groups_per_step, self.collate, self.version = groups_per_step, collate, version
         self.high_water, self.pin_memory, self.block_seconds = high_water, pin_memory, block_seconds
         self.touch_every = consumer.cfg.claim_idle_seconds / 4
         self.staleness = staleness  # group -> trainer steps from the current weights (lineage)
+        self.trim_lag = trim_lag  # groups that may hold trimming back by at most so many entries
         self._buffer: collections.deque[tuple[str, TrajectoryGroup]] = collections.deque()
         self._ready: Ready | None = None
         self._generation = 0  # bumped when groups are handed back: a batch being built is void
@@ -86,6 +90,7 @@ class Feeder:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._last_touch = time.monotonic()
+        self._last_trim, self._untrimmed = 0.0, False
         self._thread = threading.Thread(target=self._run, name="trainer-feed", daemon=True)
 
     # ------------------------------------------------------------ the step loop's side
@@ -131,11 +136,25 @@ class Feeder:
         pipe.xack(self.consumer.stream, self.consumer.group, *ids)
         self.admission.release(ids, pipe=pipe)  # only slots these groups hold, each once
         retrying(pipe.execute, what="rejecting groups")
+        self._untrimmed = True
         with self._cond:
             self._rejected.update(reason for _, reason in rejected)
             self._owned.difference_update(ids)
         for entry_id, reason in rejected:
             log.debug("rejected %s: %s", entry_id, reason)
+
+    def _trim_rejected(self) -> None:
+        """Rejected groups changed no weights, so no checkpoint has to cover them: trim them
+        now (at most every TRIM_SECONDS), or a run where every group is rejected (all-zero
+        rewards early in RL on a hard task) grows its stream without bound."""
+        now = time.monotonic()
+        if not self._untrimmed or now - self._last_trim < TRIM_SECONDS:
+            return
+        self._last_trim, self._untrimmed = now, False
+        c = self.consumer
+        retrying(
+            lambda: trim_acked(c.client, c.stream, max_lag=self.trim_lag), what="trimming rejected trajectories"
+        )
 
     def acked(self, entry_ids: list[str]) -> None:
         """The trainer acknowledged these (a checkpoint covers them): no longer owned."""
@@ -154,6 +173,7 @@ class Feeder:
         try:
             while not self._stop.is_set():
                 self._touch_owned()
+                self._trim_rejected()
                 taken = self._take_batch_groups()
                 if taken is not None:
                     self._build(*taken)

@@ -135,6 +135,7 @@ class Trainer:
             collate=collator(tc),
             version=lambda: self.version,
             staleness=self.lineage.staleness,
+            trim_lag={ARCHIVE_GROUP: self.cfg.archive.max_lag},
             high_water=self.high_water,
             pin_memory=self.learner.device.type == "cuda",
             block_seconds=min(self.cfg.bus.block_seconds, 0.5),
@@ -347,9 +348,8 @@ class Trainer:
             ack = lambda: self.client.xack(self.keys.traj, TRAINER_GROUP, *entry_ids)  # noqa: E731
             retrying(ack, what="acknowledging trained entries", give_up_after=self.give_up_after)
             self.feeder.acked(entry_ids)
-            lag = {ARCHIVE_GROUP: self.cfg.archive.max_lag}  # the archiver never holds us back for long
             retrying(
-                lambda: trim_acked(self.client, self.keys.traj, max_lag=lag),
+                lambda: trim_acked(self.client, self.keys.traj, max_lag=self.feeder.trim_lag),
                 what="trimming trajectories",
                 give_up_after=self.give_up_after,
             )

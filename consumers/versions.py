@@ -30,12 +30,12 @@ from streamer.keys import Keys
 
 log = logging.getLogger(__name__)
 
-
 # XADD the WeightSync and SET the version key, unless that version (or a newer one) is
 # announced already: version numbers are never reused, so a second announcement of the same
 # version can only be a retry whose first reply was lost (redis-py re-sends a command after
 # a timeout; so does `retrying`). 1 = added, 0 = already there. The stream keeps about the
-# last POLICY_KEEP versions: readers want the newest (a late one reads only that).
+# last POLICY_KEEP versions (or keep_versions, if more): readers want the newest (a late one
+# reads only that), the trainer enough history for staleness after a restore.
 ANNOUNCE = """
 local current = tonumber(redis.call('GET', KEYS[2]) or '-1')
 if current >= tonumber(ARGV[3]) and redis.call('EXISTS', KEYS[1]) == 1 then
@@ -47,7 +47,7 @@ return 1
 """
 
 
-POLICY_KEEP = 1000
+POLICY_KEEP = 1000  # WeightSync entries kept on the policy stream (at least keep_versions)
 
 
 class Snapshot:
@@ -132,9 +132,11 @@ class VersionPublisher:
         sync = WeightSync(version=version, step=step, uri=uri, sha256=sha)
 
         payload = encode(sync)
+        # bounded: the weights kept, and enough history for staleness after a restore
+        keep = max(self.keep_versions, POLICY_KEEP)
         added = retrying(
             lambda: self._announce(
-                keys=[self.keys.policy, self.keys.version], args=[FIELD, payload, version, POLICY_KEEP]
+                keys=[self.keys.policy, self.keys.version], args=[FIELD, payload, version, keep]
             ),
             what=f"publishing version {version}",
             give_up_after=self.give_up_after,
