@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from producers import rewards
-from producers.dataset import load_rows
+from producers.dataset import check_required, load_rows
 from producers.render import Renderer, stop_ids
 from producers.samplers import LocalSampler
 from streamer import models
@@ -35,6 +35,7 @@ def load_task(
     rows = rows if rows is not None else load_rows(dataset, split=split)
     path = rewards.default_path(cfg.producer.reward, dataset)
     reward_fn = rewards.load(path)
+    check_required(rows, getattr(reward_fn, "required_fields", ()), source=dataset, reward=path)
     tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
     renderer = Renderer(tokenizer, chat_template=cfg.model.chat_template, extra_stop_ids=extra_stop_ids)
     return Task(rows=rows, renderer=renderer, reward_fn=reward_fn, reward_path=path)
@@ -51,8 +52,9 @@ def local_sampler(cfg: RunConfig, tokenizer) -> tuple[LocalSampler, list[int]]:
 def build(cfg: RunConfig):
     """(task, sampler) of a producer, from the config."""
     p = cfg.producer
-    rows = load_rows(p.dataset)  # first: a bad dataset fails before any model loads
-    rewards.load(rewards.default_path(p.reward, p.dataset))
+    rows = load_rows(p.dataset)  # first: a bad dataset or reward fails before any model loads
+    reward_path = rewards.default_path(p.reward, p.dataset)
+    check_required(rows, getattr(rewards.load(reward_path), "required_fields", ()), source=p.dataset, reward=reward_path)
     tokenizer = models.load_tokenizer(cfg.model)
     if p.sampler == "local":
         if p.torch_threads:

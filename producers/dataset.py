@@ -80,6 +80,18 @@ def _check_messages(messages, where: str) -> None:
             raise DatasetError(f"{where}: messages[{i}] needs a string `content`")
 
 
+def check_required(rows: list[dict], fields, *, source: str, reward: str) -> None:
+    """Every row has the fields the reward reads (its ``required_fields``), or a DatasetError
+    before any work starts: such a row could never be scored, so never trained."""
+    for field in fields:
+        missing = [i for i, row in enumerate(rows) if field not in row]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise DatasetError(
+                f"{source}: row {missing[0]}{more} has no `{field}`, which the reward {reward} needs"
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class Position:
     """Where a ticket points: epoch, and the dataset row index within it."""

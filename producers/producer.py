@@ -8,7 +8,8 @@ MetricsEvent. ``producer.concurrency`` rows are in flight at once (anyio tasks),
 with its own lease and admission slot; blocking calls run in worker threads. A group
 with fewer than ``min_group_size`` good episodes is dropped: its slot is released and
 nothing is published. A rollout that raises or outlives ``rollout_timeout`` hands its row
-back (after ``MAX_ROW_ATTEMPTS`` failures in this process the row is skipped). A
+back; after ``producer.max_row_attempts`` failed attempts (counted on the server, by any
+producer, an expired lease included) the row is skipped with its last error. A
 heartbeat thread keeps ``…:producers`` fresh and renews every lease held.
 
 Stops after ``max_groups`` published groups, when ``epochs`` are exhausted, or on
@@ -25,7 +26,6 @@ import signal
 import socket
 import threading
 import time
-from collections import Counter
 
 import anyio
 import redis
@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 2.0  # well under the 5 s others treat as alive
 MAX_SAMPLER_FAILURES = 10  # consecutive failed groups before the producer gives up
-MAX_ROW_ATTEMPTS = 3  # rollouts of one row that raise or time out before it is skipped
 
 
 class Producer:
@@ -83,6 +82,7 @@ class Producer:
             owner=producer_id,
             lease_seconds=self.p.lease_seconds,
             total_tickets=self.order.total_tickets(self.p.epochs),
+            max_attempts=self.p.max_row_attempts,
         )
         t = cfg.trainer
         self.admission = Admission(
@@ -98,7 +98,6 @@ class Producer:
         self.published = 0
         self.in_flight = 0  # rows between claim and publish/drop/hand-back
         self._failures = 0
-        self._row_failures: Counter[int] = Counter()
         self._gate: WeightGate | None = None
         self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.p.lease_seconds / 3))
 
@@ -180,11 +179,13 @@ class Producer:
             self.held.add(ticket)
             try:
                 outcome = await self._work(ticket)
-            except SamplerError as e:
+            except SamplerError as e:  # the engine's failure, not the row's: not an attempt
                 self._hand_back(ticket)
                 return await self._sampler_failed(e)
-            except BaseException:
-                self._hand_back(ticket)
+            except BaseException as e:
+                # the row's own failure counts towards skipping it; a server outage does not
+                own = isinstance(e, Exception) and not isinstance(e, redis.exceptions.RedisError)
+                self._hand_back(ticket, error=f"{type(e).__name__}: {e}" if own else "")
                 raise
             finally:
                 self.held.discard(ticket)
@@ -262,15 +263,10 @@ class Producer:
             if isinstance(leaf, PrefixMismatch):
                 self.pending.add("prefix_mismatches")
         self.pending.add(f"episodes_dropped_{reason}", self.p.group_size)
-        self._row_failures[ticket] += 1
-        if self._row_failures[ticket] >= MAX_ROW_ATTEMPTS:
-            log.error(
-                "%s: rollout %s %s; %d attempts, row skipped", where, self.rollout_path, why, MAX_ROW_ATTEMPTS
-            )
-            self.leases.finish(ticket)
-        else:
-            log.error("%s: rollout %s %s; row handed back", where, self.rollout_path, why)
-            self._hand_back(ticket)
+        # counted on the server per row (producers/leases.py): after producer.max_row_attempts
+        # failed attempts, by any producer, the next claim skips the row with this reason
+        log.error("%s: rollout %s %s; row handed back", where, self.rollout_path, why)
+        self._hand_back(ticket, error=f"rollout {why}")
         return None
 
     def _check(self, episodes: list, pos) -> list[tuple]:
@@ -323,7 +319,6 @@ class Producer:
             log.warning("lease on row %d (epoch %d) was lost; group discarded", group.row, group.epoch)
             return "lost"
         self.published += 1
-        self._row_failures.pop(ticket, None)
 
         def send() -> None:
             pipe = self.client.pipeline(transaction=False)
@@ -354,9 +349,9 @@ class Producer:
                 await anyio.sleep(0.05)
         return "error"
 
-    def _hand_back(self, ticket: int) -> None:
+    def _hand_back(self, ticket: int, error: str = "") -> None:
         try:
-            self.leases.hand_back(ticket)
+            self.leases.hand_back(ticket, error=error)
         except redis.exceptions.RedisError as e:  # the lease will expire instead
             log.error("could not hand back ticket %d: %s", ticket, e)
 

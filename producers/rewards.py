@@ -56,6 +56,9 @@ _BOXED = re.compile(r"\\boxed\{\s*(" + _NUMBER + r")\s*\}")
 _ANY = re.compile(_NUMBER)
 
 
+exact_match.required_fields = ("answer",)  # checked against every row before work starts
+
+
 def final_number(text: str) -> float | None:
     """The answer a GSM8K-style text ends with: after ``####``, else ``\\boxed{}``, else the
     last number; ``$`` and thousands commas ignored. None when there is no number."""
@@ -82,3 +85,6 @@ def math_answer(row: dict, text: str, sample=None) -> float:
         raise ValueError(f"reference answer {row['answer']!r} has no number")
     got = final_number(text)
     return 1.0 if got is not None and math.isclose(got, reference, rel_tol=0, abs_tol=1e-6) else 0.0
+
+
+math_answer.required_fields = ("answer",)

@@ -66,6 +66,9 @@ def reward(row: dict, text: str, sample=None) -> float:
     return 1.0 if text.strip()[:1] == row["answer"] else 0.0
 
 
+reward.required_fields = ("answer",)  # every row is checked for it before work starts
+
+
 @functools.lru_cache(maxsize=1)
 def tokenizer():
     """A character-level PreTrainedTokenizerFast with a chat template; ``<|end|>`` is EOS."""

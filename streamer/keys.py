@@ -77,6 +77,18 @@ class Keys:
         return self._k("held_slots")  # SET of trajectory entry ids whose group holds an admission slot
 
     @property
+    def row_attempts(self) -> str:
+        return self._k("row_attempts")  # HASH ticket -> failed attempts (crash, sampler error, expiry)
+
+    @property
+    def row_errors(self) -> str:
+        return self._k("row_errors")  # HASH ticket -> the last error of a failed attempt
+
+    @property
+    def skipped_rows(self) -> str:
+        return self._k("skipped_rows")  # HASH ticket -> why it was skipped after max_row_attempts
+
+    @property
     def requeue(self) -> str:
         return self._k("requeue")  # LIST of tickets whose lease expired, handed out first
 

@@ -9,7 +9,7 @@ import pytest
 
 from consumers.filters import is_stale
 from producers.components import build
-from producers.producer import MAX_ROW_ATTEMPTS, Producer
+from producers.producer import Producer
 from producers.rollout import single_turn
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from streamer import demo, weights
@@ -120,14 +120,22 @@ def test_a_rollout_that_raises_hands_its_row_back_and_is_skipped_after_repeated_
     async def broken(row, ctx):
         raise RuntimeError("environment crashed")
 
-    p = _producer(_cfg(keys, redis_url, tmp_path), client, rollout=broken)
-    outcomes = [p.step() for _ in range(MAX_ROW_ATTEMPTS)]
-    assert outcomes == ["failed"] * MAX_ROW_ATTEMPTS
-    assert client.llen(keys.requeue) == 0 and int(client.get(keys.cursor)) == 1, "one row, retried"
+    cfg = _cfg(keys, redis_url, tmp_path)
+    attempts = cfg.producer.max_row_attempts
+    p = _producer(cfg, client, rollout=broken)
+    outcomes = [p.step() for _ in range(attempts)]
+    assert outcomes == ["failed"] * attempts
+    assert client.lrange(keys.requeue, 0, -1) == [b"0"] and int(client.get(keys.cursor)) == 1, "one row"
     assert "raised RuntimeError: environment crashed; row handed back" in caplog.text
-    assert "row skipped" in caplog.text and "row " in caplog.text
+    # the next claim skips it (the count is the server's: any producer's failures add up)
+    assert p.step() == "failed" and int(client.get(keys.cursor)) == 2
+    skipped = client.hgetall(keys.skipped_rows)
+    assert list(skipped) == [b"0"], skipped
+    assert skipped[b"0"].decode() == (
+        f"{attempts} attempts failed; last: rollout raised RuntimeError: environment crashed"
+    )
     p._flush_metrics()
-    assert _counters(client, keys)["episodes_dropped_error"] == 2 * MAX_ROW_ATTEMPTS
+    assert _counters(client, keys)["episodes_dropped_error"] == 2 * (attempts + 1)
     assert client.xlen(keys.traj) == 0
     _no_lease_or_slot_left(client, keys)
 
