@@ -135,6 +135,8 @@ class Feeder:
         pipe = self.consumer.client.pipeline(transaction=True)
         pipe.xack(self.consumer.stream, self.consumer.group, *ids)
         self.admission.release(ids, pipe=pipe)  # only slots these groups hold, each once
+        for reason, n in collections.Counter(reason for _, reason in rejected).items():
+            pipe.hincrby(self.consumer.keys.rejected_since_step, reason, n)  # for `streamer status`
         retrying(pipe.execute, what="rejecting groups")
         self._untrimmed = True
         with self._cond:

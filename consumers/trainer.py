@@ -108,6 +108,7 @@ class Trainer:
         self.lineage = Lineage().load(self._policy_history())
         self.versions.publish_now(self.learner.publishable, version=self.version, step=self.step)
         self.lineage.add(self.version, self.step)
+        self._state("running")
         log.info("policy version %d at step %d (%s)", self.version, self.step, self.parent or "initial")
         tc = self.tc
         self.admission.publish_limits(max_staleness=tc.max_staleness, groups_per_step=tc.groups_per_step)
@@ -197,6 +198,10 @@ class Trainer:
             self.client.hset(marker, mapping={"data_lost_at": now, "resumed_from": self.parent})
         self.client.hsetnx(marker, "created_at", now)
 
+    def _state(self, state: str) -> None:
+        """``running`` / ``stopped`` in the run marker, for `streamer status`."""
+        self.client.hset(self.keys.run_marker, "trainer", state)
+
     def _ack_covered_pending(self) -> None:
         """Pending entries the checkpoint covers (a crash between checkpoint and XACK)."""
         if self.high_water == "0-0":
@@ -232,6 +237,7 @@ class Trainer:
             if self.trained:
                 self.checkpoint()
             self.versions.close()
+            retrying(lambda: self._state("stopped"), what="marking the run", give_up_after=self.give_up_after)
         except BaseException:
             self.versions.abandon()
             raise
@@ -281,6 +287,7 @@ class Trainer:
         self.lineage.add(self.version, self.step)
         # trained: these groups no longer count against the staleness window
         retrying(lambda: self.admission.release(ready.entry_ids), what="releasing admission slots")
+        retrying(lambda: self.client.delete(self.keys.rejected_since_step), what="resetting rejections")
         blocked = self.versions.submit(self.learner.publishable, version=self.version, step=self.step)
         # Trained entries stay unacknowledged until a checkpoint covers them, and producers
         # wait while bus.max_unacked entries are: checkpoint early rather than deadlock.

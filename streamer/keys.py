@@ -120,8 +120,12 @@ class Keys:
         return self._k(f"reload_lock:{server}")  # STRING (PX): token of the one producer reloading it
 
     @property
+    def rejected_since_step(self) -> str:
+        return self._k("rejected_since_step")  # HASH reason -> groups rejected since the last step
+
+    @property
     def run_marker(self) -> str:
-        return self._k("run")  # HASH created_at [data_lost_at resumed_from]: the trainer's; gone = data lost
+        return self._k("run")  # HASH created_at trainer [data_lost_at resumed_from]; gone = data lost
 
     def all_keys_pattern(self) -> str:
         return f"{self.prefix}:*"

@@ -26,6 +26,18 @@ from streamer.admission import admission_limit
 from streamer.bus import FIELD, connect, redact
 from streamer.config import RunConfig
 from streamer.keys import TRAINER_GROUP, Keys
+from streamer.values import DataError, parse_int
+
+
+def checkpoint_names(root) -> list[str]:
+    """Checkpoint directory names under ``root``, newest first (no torch import: status is light)."""
+    from pathlib import Path
+
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")), reverse=True)
+
 
 LIVE_SECONDS = 15.0  # a producer whose last heartbeat is newer than this is live
 RATE_WINDOW = 10  # policy versions the trainer step rate is measured over
@@ -89,6 +101,9 @@ class Snapshot(msgspec.Struct, kw_only=True):
     limits: dict[str, int]  # as written by the trainer: max_staleness, groups_per_step
     admission_limit: int | None  # (max_staleness + 1) * groups_per_step groups in flight, as admission checks
     waiting_groups: int  # trajectory entries the trainer group has not acknowledged
+    rejected_since_step: dict[str, int] = {}  # groups the trainer rejected since its last step
+    trainer_state: str = ""  # "running" / "stopped" as the trainer wrote it; "" unknown
+    data_lost: str = ""  # set when the server lost this run's data (see main)
     stalled: bool = False
     reasons: list[str] = []
 
@@ -124,6 +139,8 @@ def snapshot(
     pipe.get(keys.admitted)
     pipe.hgetall(keys.limits)
     pipe.get(keys.version)
+    pipe.hgetall(keys.rejected_since_step)
+    pipe.hgetall(keys.run_marker)
     res = pipe.execute(raise_on_error=False)
     for r in res:
         if isinstance(r, Exception) and not _missing(r):
@@ -131,8 +148,11 @@ def snapshot(
     streams = [
         _stream(client, name, key, res[2 * i], res[2 * i + 1]) for i, (name, key) in enumerate(named.items())
     ]
-    policy_rows, beats, live, known, dead_rows, admitted, limits, version = res[2 * len(named) :]
-    limits = {_s(k): int(v) for k, v in (limits or {}).items()}
+    policy_rows, beats, live, known, dead_rows, admitted, limits, version, rejected, marker = res[
+        2 * len(named) :
+    ]
+    limits = {_s(k): parse_int(v, f"{keys.limits} {_s(k)}") for k, v in _hash(limits, keys.limits).items()}
+    marker = {_s(k): _s(v) for k, v in _hash(marker, keys.run_marker).items()}
     syncs = _decode_rows(policy_rows, WeightSync)
     snap = Snapshot(
         run=keys.run,
@@ -154,10 +174,15 @@ def snapshot(
         ],
         dead_letters=streams[3].entries_added,
         dead_last=[_dead(d) for d in _decode_rows(dead_rows, DeadLetter)],
-        admitted=int(admitted or 0),
+        admitted=parse_int(admitted, keys.admitted, default=0),
         limits=limits,
-        admission_limit=_admission_limit(limits, int(version or 0)),
+        admission_limit=_admission_limit(limits, parse_int(version, keys.version, default=0)),
         waiting_groups=_waiting(streams[0]),
+        rejected_since_step={
+            _s(k): parse_int(v, keys.rejected_since_step)
+            for k, v in _hash(rejected, keys.rejected_since_step).items()
+        },
+        trainer_state=marker.get("trainer", ""),
     )
     snap.reasons = stall_reasons(snap, stall_seconds=stall_seconds)
     snap.stalled = bool(snap.reasons)
@@ -165,17 +190,32 @@ def snapshot(
 
 
 def stall_reasons(snap: Snapshot, *, stall_seconds: float) -> list[str]:
-    """Why the run looks stalled (empty: it does not)."""
-    if snap.waiting_groups == 0:
-        return []
+    """Why the run is not progressing (empty: it is, or it is idle by design)."""
+    out = [f"the server lost this run's data: {snap.data_lost}"] if snap.data_lost else []
     since = snap.policy.at if snap.policy else snap.stream("traj").first_entry_at
     if since is None or snap.at - since <= stall_seconds:
-        return []
+        return out
     what = f"policy version {snap.policy.version}" if snap.policy else "a first policy version"
-    return [
-        f"no new policy version for {_age(snap.at - since)} (last: {what}) while "
-        f"{snap.waiting_groups} trajectory groups wait for the trainer (stall_seconds={stall_seconds:g})"
-    ]
+    head = f"no new policy version for {_age(snap.at - since)} (last: {what})"
+    if snap.waiting_groups:
+        out.append(
+            f"{head} while {snap.waiting_groups} trajectory groups wait for the trainer "
+            f"(stall_seconds={stall_seconds:g})"
+        )
+    if rejected := snap.rejected_since_step:
+        why = ", ".join(f"{r} {n}" for r, n in sorted(rejected.items(), key=lambda x: -x[1]))
+        out.append(f"{head}: all {sum(rejected.values())} groups since were rejected ({why})")
+    if snap.trainer_state != "running":
+        return out
+    full = snap.admission_limit is not None and snap.admitted >= snap.admission_limit
+    if full and not snap.waiting_groups:
+        out.append(
+            f"{head}: the admission window is full ({snap.admitted} of {snap.admission_limit} slots) "
+            "and no group waits for the trainer (slots held by rows still being sampled)"
+        )
+    if not snap.live_producers and not snap.waiting_groups:
+        out.append(f"{head}: no live producers ({snap.known_producers} known)")
+    return out
 
 
 def _stream(client: redis.Redis, name: str, key: str, info, groups) -> StreamInfo:
@@ -214,6 +254,12 @@ def _admission_limit(limits: dict[str, int], version: int) -> int | None:
     if not {"max_staleness", "groups_per_step"} <= limits.keys():
         return None  # no trainer has published its limits yet
     return admission_limit(limits["max_staleness"], limits["groups_per_step"])
+
+
+def _hash(value, key: str) -> dict:
+    if isinstance(value, Exception):  # a key of the wrong type: name it
+        raise DataError(f"{key} cannot be read as a hash ({value}); fix or delete it (`DEL {key}`)")
+    return value or {}
 
 
 def _waiting(traj: StreamInfo) -> int:
@@ -329,10 +375,16 @@ def main(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Print the run's status; exit 1 when it looks stalled."""
     url = cfg.require_redis_url()
     client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-status")
+    keys = Keys(cfg.run.name)
     try:
-        snap = snapshot(
-            client, Keys(cfg.run.name), redis_url=redact(url), stall_seconds=cfg.metrics.stall_seconds
-        )
+        snap = snapshot(client, keys, redis_url=redact(url), stall_seconds=cfg.metrics.stall_seconds)
+        if not client.exists(keys.run_marker) and (found := checkpoint_names(cfg.checkpoint_dir)):
+            snap.data_lost = (
+                f"checkpoint {found[0]} exists in {cfg.checkpoint_dir} but the server has no state for "
+                "the run; start the trainer to resume from it (or restore the server's data first)"
+            )
+            snap.reasons = stall_reasons(snap, stall_seconds=cfg.metrics.stall_seconds)
+            snap.stalled = True
     finally:
         client.close()
     if getattr(args, "json", False):

@@ -31,7 +31,7 @@ def seed_run(client, keys: Keys, *, policy_age: float = 2.0, waiting: bool = Tru
     client.zadd(keys.producers, {"host-1": now - 1.0, "host-2": now - 120.0})
     for i, reason in enumerate(["malformed msgpack", "delivered 6 times (max 5)", "invalid TrajectoryGroup"]):
         pub.publish(keys.dead, DeadLetter(stream=keys.traj, entry_id=f"{i}-1", raw=b"", reason=reason))
-    client.set(keys.admitted, 7)
+    client.set(keys.admitted, 3)
     client.set(keys.version, 5)  # the trainer mirrors the policy version here for admission
     client.hset(keys.limits, mapping={"max_staleness": 1, "groups_per_step": 2})
     return now
@@ -62,7 +62,7 @@ def test_json_for_scripts(client, keys, redis_url, capsys):
     traj = next(x for x in s["streams"] if x["name"] == "traj")
     assert traj["length"] == 4
     assert [(g["name"], g["lag"], g["pending"]) for g in traj["groups"]] == [("trainer", 3, 1)]
-    assert s["waiting_groups"] == 4 and s["admitted"] == 7
+    assert s["waiting_groups"] == 4 and s["admitted"] == 3
     assert [x["name"] for x in s["streams"]] == ["traj", "policy", "metrics", "dead"]
 
 
@@ -73,7 +73,7 @@ def test_table_for_people(client, keys, redis_url, capsys):
     lines = out.splitlines()
     assert lines[0] == f"run {keys.run} on {redis_url}"
     assert "version 5 (step 5)" in out and "0.5 steps/s" in out
-    assert "7 of 4 slots held; 4 groups wait" in out  # (1 + 1) * 2 in flight
+    assert "3 of 4 slots held; 4 groups wait" in out  # (1 + 1) * 2 in flight
     (traj,) = [ln.split() for ln in lines if ln.strip().startswith("traj ")]
     assert traj == ["traj", "4", "4", "trainer", "3", "1", "1"]
     # seeded 120 s before the call; the seconds digit tolerates a slow machine between the two
