@@ -48,6 +48,7 @@ from streamer.config import RunConfig
 from streamer.keys import Keys
 from streamer.rollout_types import Completion, Episode, RolloutContext, Task
 from streamer.trajectory import PrefixMismatch
+from streamer.values import parse_int
 
 log = logging.getLogger(__name__)
 
@@ -326,8 +327,9 @@ class Producer:
             pipe.get(self.keys.version)
             step, current = pipe.execute()
             t = Timings(timings.sample_seconds, timings.admission_wait_seconds, waited)
-            values = group_values(group, failures=failures, current_version=int(current or 0), timings=t)
-            self._send_metrics(int(step), {**values, **extra})
+            current = parse_int(current, self.keys.version, default=0)
+            values = group_values(group, failures=failures, current_version=current, timings=t)
+            self._send_metrics(parse_int(step, self.keys.rollout_step), {**values, **extra})
 
         await self._redis(send)
         return "published"

@@ -32,6 +32,7 @@ import redis
 
 from streamer.errors import StreamerError
 from streamer.keys import Keys
+from streamer.values import DataError
 
 # KEYS: admitted limits [lease_owner lease_slots] ; ARGV: staleness per_step [ticket owner]
 # With a leased ticket the slot is recorded as the lease's in the same step: a retried call
@@ -123,7 +124,10 @@ class Admission:
         keys, args = [self.keys.admitted, self.keys.limits], list(self.defaults)
         if ticket is not None:
             keys, args = keys + [self.keys.lease_owner, self.keys.lease_slots], args + [ticket, owner]
-        granted = int(self._script(keys=keys, args=args))
+        try:
+            granted = int(self._script(keys=keys, args=args))
+        except redis.exceptions.ResponseError as e:  # a counter or limit that is not a number
+            raise DataError(f"admission: {e}") from None
         if granted < 0:
             raise LeaseLost(f"the lease on ticket {ticket} is no longer {owner}'s")
         return granted > 0

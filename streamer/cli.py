@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 
+import redis
+
 from streamer.config import URL_ENV, RunConfig, load_config, replace
 from streamer.errors import ConfigError, StreamerError
 
@@ -149,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except StreamerError as e:
         print(f"streamer {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    except redis.exceptions.ResponseError as e:  # e.g. WRONGTYPE: a key of the run was overwritten
+        print(f"streamer {args.cmd}: the server refused a command on this run's keys: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

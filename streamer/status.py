@@ -142,9 +142,13 @@ def snapshot(
     pipe.hgetall(keys.rejected_since_step)
     pipe.hgetall(keys.run_marker)
     res = pipe.execute(raise_on_error=False)
-    for r in res:
+    read = [k for key in named.values() for k in (key, key)] + [
+        *(keys.policy, keys.producers, keys.producers, keys.producers, keys.dead, keys.admitted),
+        *(keys.limits, keys.version, keys.rejected_since_step, keys.run_marker),
+    ]
+    for key, r in zip(read, res):
         if isinstance(r, Exception) and not _missing(r):
-            raise r
+            raise DataError(f"{key} cannot be read ({r}); fix or delete it (`DEL {key}`)")
     streams = [
         _stream(client, name, key, res[2 * i], res[2 * i + 1]) for i, (name, key) in enumerate(named.items())
     ]
