@@ -115,5 +115,6 @@ def trainer_lock(run_dir: Path) -> FileLock:
 
 
 def check_free(lock: FileLock) -> None:
-    """Fail now (one line) if ``lock`` is held elsewhere; does not keep it."""
-    lock.acquire().release()
+    """Fail now (one line) if ``lock`` is held elsewhere; does not keep it (nor create it)."""
+    if lock.path.exists():  # a holder always has the file; no file, no holder
+        lock.acquire().release()

@@ -67,6 +67,16 @@ def test_fresh_deletes_only_what_streamer_wrote_in_a_marked_run_dir(tmp_path):
     assert remove_marked(run, RUN_MARKER, RUN_ENTRIES) and not run.exists()
 
 
+def test_fresh_on_a_new_data_dir_starts_and_marks_it(tmp_path):
+    from streamer.rundir import check_free
+
+    run = tmp_path / "data" / "demo"
+    check_free(trainer_lock(run))  # as `up --fresh` does first: must not create the run dir
+    assert not run.exists()
+    assert not remove_marked(run, RUN_MARKER)  # nothing to delete is not an error
+    assert (mark_run(run) / RUN_MARKER).is_file()
+
+
 def test_a_second_up_on_one_data_dir_gets_one_line(tmp_path):
     data = tmp_path / "data"
     with server_lock(data):  # as a running `up` holds it
