@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from streamer.errors import ConfigError, StreamerError
+from streamer.weights import writing
 
 RUN_MARKER = ".streamer-run"  # {data_dir}/{run}/: created by streamer for this run
 SERVER_MARKER = ".streamer-server"  # {data_dir}/valkey/: the embedded server's data
@@ -35,8 +36,11 @@ class LockedError(StreamerError):
 def mark(directory: Path, marker: str) -> Path:
     """Create ``directory`` (if needed) and mark it as Streamer's."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / marker).touch()
+    if (directory / marker).is_file():  # nothing to write (the disk may be read-only by now)
+        return directory
+    with writing(f"the marker of {directory}", directory.parent):
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / marker).touch()
     return directory
 
 
@@ -81,18 +85,28 @@ class FileLock:
         self._fd: int | None = None
 
     def acquire(self) -> FileLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if not self.path.exists():
+            self._create()
+        # held read-only: flock needs no write access, and a disk with a file open for writing
+        # cannot be remounted read-only
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             raise LockedError(f"{self.what} is in use by {holder} (lock {self.path})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        try:  # who holds it, for the next one's message (best effort)
+            self.path.write_text(f"pid {os.getpid()}\n")
+        except OSError:
+            pass
         self._fd = fd
         return self
+
+    def _create(self) -> None:
+        with writing(f"lock {self.path.name}", self.path.parent):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
 
     def release(self) -> None:
         if self._fd is not None:
