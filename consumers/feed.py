@@ -155,7 +155,8 @@ class Feeder:
         self._last_trim, self._untrimmed = now, False
         c = self.consumer
         retrying(
-            lambda: trim_acked(c.client, c.stream, max_lag=self.trim_lag), what="trimming rejected trajectories"
+            lambda: trim_acked(c.client, c.stream, max_lag=self.trim_lag),
+            what="trimming rejected trajectories",
         )
 
     def acked(self, entry_ids: list[str]) -> None:

@@ -104,12 +104,18 @@ class VersionPublisher:
             self._queue.put(None)
             self._thread.join(30)
 
-    def abandon(self) -> None:
-        """Stop the writer after what it holds, without waiting (the trainer is failing)."""
+    def abandon(self, wait: float = 10.0) -> None:
+        """Stop the writer after what it holds (the trainer is failing), waiting at most ``wait``
+        seconds: a writer thread still inside torch or safetensors when the interpreter exits
+        can end the process in std::terminate (SIGABRT) instead of the trainer's exit code."""
         try:
             self._queue.put(None, timeout=1.0)
         except queue.Full:
             log.warning("version writer busy; leaving it behind")
+            return
+        self._thread.join(wait)
+        if self._thread.is_alive():
+            log.warning("version writer still busy after %.0fs; leaving it behind", wait)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -15,7 +15,7 @@ from producers.render import Renderer, stop_ids
 from producers.samplers import LocalSampler
 from streamer import models
 from streamer.config import RunConfig
-from streamer.rollout_types import Task
+from streamer.rollout_types import DEFAULT_ROLLOUT, Task
 
 __all__ = ["Task", "build", "load_task", "local_sampler"]
 
@@ -35,7 +35,6 @@ def load_task(
     rows = rows if rows is not None else load_rows(dataset, split=split)
     path = rewards.default_path(cfg.producer.reward, dataset)
     reward_fn = rewards.load(path)
-    check_required(rows, getattr(reward_fn, "required_fields", ()), source=dataset, reward=path)
     tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
     renderer = Renderer(tokenizer, chat_template=cfg.model.chat_template, extra_stop_ids=extra_stop_ids)
     return Task(rows=rows, renderer=renderer, reward_fn=reward_fn, reward_path=path)
@@ -54,7 +53,10 @@ def build(cfg: RunConfig):
     p = cfg.producer
     rows = load_rows(p.dataset)  # first: a bad dataset or reward fails before any model loads
     reward_path = rewards.default_path(p.reward, p.dataset)
-    check_required(rows, getattr(rewards.load(reward_path), "required_fields", ()), source=p.dataset, reward=reward_path)
+    reward_fn = rewards.load(reward_path)
+    if p.rollout in ("", DEFAULT_ROLLOUT):  # a rollout of the user's may score rows its own way
+        required = getattr(reward_fn, "required_fields", ())
+        check_required(rows, required, source=p.dataset, reward=reward_path)
     tokenizer = models.load_tokenizer(cfg.model)
     if p.sampler == "local":
         if p.torch_threads:
