@@ -25,6 +25,11 @@ from producers.samplers import Completion
 Backend = Callable[[dict], list[Completion]]
 
 
+class BadRequest(Exception):
+    """Raised by a backend: the request is answered 400 with this message (as vLLM answers a
+    prompt longer than the model's context)."""
+
+
 def canned(token_ids: list[int], logprob: float = -0.5, finish: str = "stop") -> Backend:
     """A backend answering every request with ``n`` copies of one completion."""
 
@@ -118,7 +123,11 @@ class FakeCompletionsServer:
             prompt = body.get("prompt")
             if not isinstance(prompt, list) or not all(isinstance(i, int) for i in prompt):
                 return 400, {"object": "error", "message": "prompt must be token ids", "code": 400}
-            return 200, self._response(body, self.backend(body))
+            try:
+                completions = self.backend(body)
+            except BadRequest as e:
+                return 400, {"object": "error", "message": str(e), "code": 400}
+            return 200, self._response(body, completions)
         finally:
             with self._lock:
                 self.in_flight -= 1

@@ -180,8 +180,8 @@ class Producer:
             self.held.add(ticket)
             try:
                 outcome = await self._work(ticket)
-            except SamplerError as e:  # the engine's failure, not the row's: not an attempt
-                self._hand_back(ticket)
+            except SamplerError as e:  # an attempt only if the engine refused this request
+                self._hand_back(ticket, error=f"sampler: {e}" if e.refused else "")
                 return await self._sampler_failed(e)
             except BaseException as e:
                 # the row's own failure counts towards skipping it; a server outage does not

@@ -138,8 +138,9 @@ class RemoteSampler:
                     resp = self._http.post(path, json=body)
                     error = None if resp.status_code < 400 else f"HTTP {resp.status_code}: {resp.text[:200]}"
                     retryable = resp.status_code in RETRY_STATUS
+                    refused = resp.status_code < 500 and not retryable  # this request is wrong
                 except httpx.TransportError as e:
-                    error, retryable = f"{type(e).__name__}: {e}", True
+                    error, retryable, refused = f"{type(e).__name__}: {e}", True, False
             if error is None:
                 if not as_json:  # vLLM answers its LoRA endpoints in plain text
                     return resp.text
@@ -148,7 +149,9 @@ class RemoteSampler:
                 except ValueError:
                     raise SamplerError(f"{self.base_url}{path}: answer is not JSON") from None
             if not retryable or attempt >= self.retries:
-                raise SamplerError(f"{self.base_url}{path}: {error} (after {attempt + 1} attempts)")
+                raise SamplerError(
+                    f"{self.base_url}{path}: {error} (after {attempt + 1} attempts)", refused=refused
+                )
             delay = min(self.max_backoff, self.backoff * 2**attempt) * (0.5 + random.random() / 2)
             log.warning(
                 "%s%s: %s; retry %d/%d in %.2fs", self.base_url, path, error, attempt + 1, self.retries, delay

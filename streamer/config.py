@@ -111,9 +111,7 @@ class ProducerSection(_Section):
     rollout: str = ""  # "module:function" async (row, ctx) -> episodes; "" = single-turn render/sample/reward
     concurrency: int = 1  # rollouts (rows) in flight at once, each with its own lease and admission slot
     rollout_timeout: float = 0.0  # cancel a rollout running longer (its row is handed back); 0 = never
-    max_row_attempts: int = (
-        3  # a row whose rollout failed this often (error, timeout, crash) is skipped; 0 = never
-    )
+    max_row_attempts: int = 3  # skip a row after this many failed rollouts (error, timeout, crash); 0 = never
 
     def __post_init__(self) -> None:
         self._positive("group_size", "min_group_size", "max_new_tokens", "lease_seconds")

@@ -115,13 +115,15 @@ def test_retries_are_bounded_and_only_for_transient_errors():
         assert remote.sample([1], n=1, temperature=1.0, top_p=1.0, max_new_tokens=2)[0].token_ids == [4, EOS]
         assert server.requests == 3
         server.fail_next(3, 500)
-        with pytest.raises(SamplerError, match="HTTP 500.*after 3 attempts"):
+        with pytest.raises(SamplerError, match="HTTP 500.*after 3 attempts") as outage:
             remote.sample([1], n=1, temperature=1.0, top_p=1.0, max_new_tokens=2)
+        assert not outage.value.refused, "an engine outage is not the row's failed attempt"
         server.fail_next(1, 400)
         before = server.requests
-        with pytest.raises(SamplerError, match="HTTP 400.*after 1 attempts"):
+        with pytest.raises(SamplerError, match="HTTP 400.*after 1 attempts") as refused:
             remote.sample([1], n=1, temperature=1.0, top_p=1.0, max_new_tokens=2)
         assert server.requests == before + 1  # a client error is not retried
+        assert refused.value.refused, "the engine refused this request: the row's failure"
         remote.close()
 
 

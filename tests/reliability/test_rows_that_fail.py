@@ -9,7 +9,7 @@ import json
 import pytest
 from harness import NoisyBackend, report, run_config
 
-from producers.fake_server import FakeCompletionsServer
+from producers.fake_server import BadRequest, FakeCompletionsServer
 from streamer.bus import connect
 from streamer.keys import Keys
 
@@ -38,7 +38,7 @@ def test_a_row_that_always_fails_is_skipped_with_its_reason(private_valkey, proc
 
     def backend(body):
         if "9+9" in noisy.tok.decode(body["prompt"]):
-            raise RuntimeError("prompt too long for the engine")  # the row that always fails
+            raise BadRequest("prompt too long for the engine")  # the row that always fails: HTTP 400
         return noisy(body)
 
     rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(4)] + [
