@@ -23,14 +23,13 @@ import argparse
 import gzip
 import json
 import logging
-import signal
 import threading
 from pathlib import Path
 
 from consumers.batch import advantages_of
 from consumers.filters import GroupFilter
 from schemas import TrajectoryGroup
-from streamer import models
+from streamer import lifecycle, models
 from streamer.bus import TRANSIENT, Consumer, Delivery, connect, retrying
 from streamer.config import RunConfig
 from streamer.keys import ARCHIVE_GROUP, Keys
@@ -201,7 +200,7 @@ class Archiver:
 def main(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Archive until SIGTERM/SIGINT (exit 0)."""
     stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = lifecycle.on_stop_signals(stop, "archiver")
     archiver = Archiver(cfg)
     try:
         archiver.run(stop)
@@ -210,6 +209,5 @@ def main(cfg: RunConfig, args: argparse.Namespace) -> int:
         return 1
     finally:
         archiver.close()
-        for s, h in previous.items():
-            signal.signal(s, h)
+        lifecycle.restore_signals(previous)
     return 0

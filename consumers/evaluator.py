@@ -17,7 +17,6 @@ counts as 0 for that row. Stops on SIGTERM/SIGINT (exit 0), or after
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 
@@ -181,13 +180,7 @@ def main(cfg: RunConfig, args) -> int:
     task = load_task(cfg, dataset=cfg.eval.dataset, split="eval", tokenizer=tokenizer, extra_stop_ids=stops)
     evaluator = Evaluator(cfg, client=client, task=task, sampler=sampler)
 
-    def on_signal(signum, _frame):
-        log.info("%s: stopping", signal.Signals(signum).name)
-        evaluator.stop.set()
-        lifecycle.exit_if_orphaned("evaluator")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    lifecycle.on_stop_signals(evaluator.stop, "evaluator")
     try:
         return evaluator.run()
     finally:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import socket
 import threading
 import time
@@ -259,12 +258,7 @@ def main(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Run the exporter until SIGTERM/SIGINT (exit 0)."""
     stop = threading.Event()
 
-    def on_signal(signum, _frame) -> None:
-        log.info("%s: stopping", signal.Signals(signum).name)
-        stop.set()
-        lifecycle.exit_if_orphaned("exporter")
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = lifecycle.on_stop_signals(stop, "exporter")
     exporter = Exporter(cfg)
     try:
         exporter.bootstrap()
@@ -272,6 +266,5 @@ def main(cfg: RunConfig, args: argparse.Namespace) -> int:
         exporter.run(stop)
     finally:
         exporter.close()
-        for s, h in previous.items():
-            signal.signal(s, h)
+        lifecycle.restore_signals(previous)
     return 0

@@ -9,8 +9,10 @@ Entry bookkeeping, which the exactly-once guarantee rests on:
 
 - an entry at or below the checkpoint's high-water id is already in the persisted model:
   it is acknowledged, never trained again;
-- a rejected entry is acknowledged in the same MULTI as the release of its admission slot
-  (a dead-lettered one likewise, by the consumer's ``on_gone``);
+- a rejected entry is acknowledged in the same script as the release of its admission slot
+  (:meth:`Admission.release`); a dead-lettered one gives its slot back right after its
+  dead letter is written (the consumer's ``on_gone``; a crash in between is repaired by
+  :meth:`Admission.reconcile` when the trainer starts);
 - accepted entries are trained in stream-id order (the buffer is kept sorted, and groups
   handed back dissolve the batch built ahead), so every entry not yet trained is above the
   high-water id of what was: acknowledging "at or below high-water" after a crash is exact;
@@ -132,12 +134,12 @@ class Feeder:
         if not rejected:
             return
         ids = [entry_id for entry_id, _ in rejected]
-        pipe = self.consumer.client.pipeline(transaction=True)
-        pipe.xack(self.consumer.stream, self.consumer.group, *ids)
-        self.admission.release(ids, pipe=pipe)  # only slots these groups hold, each once
+        group = self.consumer.group  # only slots these groups hold, each once
+        retrying(lambda: self.admission.release(ids, ack_group=group), what="rejecting groups")
+        pipe = self.consumer.client.pipeline(transaction=False)
         for reason, n in collections.Counter(reason for _, reason in rejected).items():
             pipe.hincrby(self.consumer.keys.rejected_since_step, reason, n)  # for `streamer status`
-        retrying(pipe.execute, what="rejecting groups")
+        retrying(pipe.execute, what="counting rejections")
         self._untrimmed = True
         with self._cond:
             self._rejected.update(reason for _, reason in rejected)

@@ -24,7 +24,6 @@ import argparse
 import logging
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -122,7 +121,9 @@ class Trainer:
             as_type=TrajectoryGroup,
             cfg=self.cfg.bus,
             validate=partial(unusable, vocab_size=vocab),
-            on_gone=lambda ids, pipe: self.admission.release(ids, pipe=pipe),
+            on_gone=lambda ids: retrying(
+                lambda: self.admission.release(ids), what="releasing admission slots"
+            ),
         )
         self._ack_covered_pending()
         in_flight = self.admission.reconcile(TRAINER_GROUP)  # slots of what is gone come back
@@ -410,17 +411,9 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     if nproc > 1 and distributed.world()[1] == 1:  # `--nproc N` outside torchrun: start it
         distributed.launch(nproc, distributed.without_nproc(sys.argv[1:]))
     stop = threading.Event()
-    previous = {}
-
-    def on_signal(signum, _frame):
-        log.info("%s: finishing the current step, then a final checkpoint", signal.Signals(signum).name)
-        stop.set()
-        lifecycle.exit_if_orphaned("trainer")
-        for sig, handler in previous.items():  # a second signal is not graceful
-            signal.signal(sig, handler)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous[sig] = signal.signal(sig, on_signal)
+    previous = lifecycle.on_stop_signals(
+        stop, "trainer", "finishing the current step, then a final checkpoint"
+    )
     _quiet_transformers()
     dp: DataParallel | None = None
     try:
@@ -455,8 +448,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
         finally:
             lock.release()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        lifecycle.restore_signals(previous)
         if dp is not None:
             dp.close()
 

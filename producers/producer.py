@@ -45,6 +45,7 @@ from streamer.admission import Admission, LeaseLost
 from streamer.batching import MicroBatcher
 from streamer.bus import Publisher, connect, unacked
 from streamer.config import RunConfig
+from streamer.errors import StreamerError
 from streamer.keys import Keys
 from streamer.rollout_types import Completion, Episode, RolloutContext, Task
 from streamer.trajectory import PrefixMismatch
@@ -124,6 +125,10 @@ class Producer:
         )
         try:
             anyio.run(self._run)
+        except BaseExceptionGroup as group:  # a worker's clear error: one line, not a group
+            if isinstance(leaf := _first_leaf(group), StreamerError):
+                raise leaf from group
+            raise
         finally:
             self._heartbeat.close()
             self._flush_metrics()

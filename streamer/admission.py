@@ -57,11 +57,14 @@ end
 return 0
 """
 
-# KEYS: held admitted ; ARGV: entry ids. Returns the slots given back.
+# KEYS: held admitted traj ; ARGV: group ('' = no ack) entry ids. Returns the slots given back.
+# With a group the entries are acknowledged by it in the same script: a script, not a MULTI
+# with EVALSHA in it, because a cluster client refuses scripts inside a pipeline.
 _RELEASE = """
 local n = 0
-for _, id in ipairs(ARGV) do
-  if redis.call('SREM', KEYS[1], id) == 1 then n = n + 1 end
+for i = 2, #ARGV do
+  if ARGV[1] ~= '' then redis.call('XACK', KEYS[3], ARGV[1], ARGV[i]) end
+  if redis.call('SREM', KEYS[1], ARGV[i]) == 1 then n = n + 1 end
 end
 if n > 0 then
   local left = redis.call('DECRBY', KEYS[2], n)
@@ -149,19 +152,15 @@ class Admission:
             delay = min(delay * 1.5, 0.5)
         return time.monotonic() - start
 
-    def release(self, entry_ids: Iterable[str], pipe=None) -> int | None:
-        """Give back the slots these trajectory entries hold (each at most once, ever).
-
-        In ``pipe`` when the caller needs it atomic with an ack (then returns None).
-        """
+    def release(self, entry_ids: Iterable[str], *, ack_group: str = "") -> int:
+        """Give back the slots these trajectory entries hold (each at most once, ever); with
+        ``ack_group``, acknowledge the entries for that consumer group atomically with it.
+        Idempotent, so a retry after a lost reply is safe. Returns the slots given back."""
         ids = list(entry_ids)
         if not ids:
             return 0
-        keys = [self.keys.held_slots, self.keys.admitted]
-        if pipe is not None:
-            self._release(keys=keys, args=ids, client=pipe)
-            return None
-        return int(self._release(keys=keys, args=ids))
+        keys = [self.keys.held_slots, self.keys.admitted, self.keys.traj]
+        return int(self._release(keys=keys, args=[ack_group, *ids]))
 
     def reconcile(self, group: str) -> int:
         """Drop slots of entries that are gone or acknowledged by ``group``; recount. In flight."""

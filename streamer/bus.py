@@ -245,12 +245,12 @@ class Consumer(Generic[T]):
         cfg: BusSection,
         start_id: str = "0",
         validate: Callable[[T], str | None] | None = None,
-        on_gone: Callable[[list[str], object], None] | None = None,
+        on_gone: Callable[[list[str]], None] | None = None,
     ):
         self.client, self.keys, self.stream, self.group, self.name = client, keys, stream, group, name
         self.as_type, self.cfg = as_type, cfg
         self.validate = validate  # event -> reason it is unusable (dead-lettered), or None
-        # (entry ids, pipeline or None): entries this consumer will never deliver (dead-lettered,
+        # entry ids: entries this consumer will never deliver (dead-lettered,
         # deleted while pending), so their owner can let go of them (the trainer: admission slots)
         self.on_gone = on_gone
         self.dead_lettered = 0
@@ -348,9 +348,9 @@ class Consumer(Generic[T]):
             self._dead_letter(dead)
         return out
 
-    def _gone(self, entry_ids: list[str], pipe=None) -> None:
+    def _gone(self, entry_ids: list[str]) -> None:
         if self.on_gone is not None and entry_ids:
-            self.on_gone(entry_ids, pipe)
+            self.on_gone(entry_ids)
 
     def _delivery_counts(self, entries: list) -> dict[str, int]:
         lo, hi = _s(entries[0][0]), _s(entries[-1][0])
@@ -372,8 +372,8 @@ class Consumer(Generic[T]):
             )
             pipe.xadd(self.keys.dead, {FIELD: encode(letter)}, maxlen=DEAD_MAXLEN, approximate=True)
             pipe.xack(self.stream, self.group, entry_id)
-        self._gone([entry_id for entry_id, _, _ in dead], pipe)
         pipe.execute()
+        self._gone([entry_id for entry_id, _, _ in dead])
         self.dead_lettered += len(dead)
 
 

@@ -77,6 +77,28 @@ def exit_if_orphaned(what: str, grace: float = ORPHAN_GRACE) -> bool:
     return True
 
 
+def on_stop_signals(stop: threading.Event, what: str, doing: str = "stopping") -> dict:
+    """The stop handlers of a role: SIGTERM/SIGINT log, set ``stop`` and arm the orphan
+    backstop; the handlers that were there before come back, so a second signal is not
+    graceful (the rule above). Returns those handlers, for :func:`restore_signals`."""
+    previous: dict = {}
+
+    def on_signal(signum, _frame) -> None:
+        log.info("%s: %s: %s", what, signal.Signals(signum).name, doing)
+        stop.set()
+        exit_if_orphaned(what)
+        restore_signals(previous)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, on_signal)
+    return previous
+
+
+def restore_signals(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 class QuietStdout:
     """stdout that survives its reader going away (a closed terminal, ``up | head``).
 

@@ -254,7 +254,8 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
             final -= final % cfg.eval.eval_every
             progress.wait_for_eval(final, FINAL_EVAL_WAIT, stop_requested)
     finally:
-        print("\nstreamer up: stopping (producers, evaluator, trainer, exporter, server) ...", flush=True)
+        stopping = "producers, evaluator, trainer, " + ("archiver, " if cfg.archive.enabled else "")
+        print(f"\nstreamer up: stopping ({stopping}exporter, server) ...", flush=True)
         stack.stop_children()
         elapsed = time.monotonic() - started
         summary = progress.summary(elapsed, cfg.weights_dir)

@@ -98,7 +98,7 @@ def test_up_stops_in_order_on_sigterm_and_resumes(tmp_path):
     scraper.reader.join(5)
     assert code == 130, scraper.output()
     out = scraper.output()
-    assert "stopping (producers, evaluator, trainer, exporter, server)" in out
+    assert "stopping (producers, evaluator, trainer, archiver, exporter, server)" in out
     assert "did not stop within" not in out, out  # every child stopped within its grace period
     stopped_at = max(int(p.name.split("-")[1]) for p in ckpts.iterdir() if p.name.startswith("step-"))
     # the trainer's final checkpoint on SIGTERM: resume continues from it, not from zero

@@ -114,7 +114,7 @@ def test_up_in_a_terminal_stops_in_order_and_leaves_nothing(tmp_path, how):
     try:
         _wait_for_training(data_dir, term)
         before = run_pids(str(data_dir))
-        assert len(before) == 6, before  # up, server, trainer, producer, evaluator, exporter
+        assert len(before) == 7, before  # up, server, trainer, producer, evaluator, archiver, exporter
         term.ctrl_c() if how == "ctrl-c" else term.hang_up()
         code = term.proc.wait(timeout=180)
     finally:
@@ -124,7 +124,7 @@ def test_up_in_a_terminal_stops_in_order_and_leaves_nothing(tmp_path, how):
     step = _assert_final_checkpoint(data_dir)
     assert code in (0, 130), term.text()[-3000:]
     if how == "ctrl-c":
-        assert "stopping (producers, evaluator, trainer, exporter, server)" in term.text()
+        assert "stopping (producers, evaluator, trainer, archiver, exporter, server)" in term.text()
     report(f"signals-{how}", exit=code, processes_before=len(before), left=0, final_step=step)
 
 
@@ -134,7 +134,7 @@ def test_up_killed_outright_takes_its_children_with_it(tmp_path):
     try:
         _wait_for_training(data_dir, term)
         before = run_pids(str(data_dir))
-        assert len(before) == 6, before
+        assert len(before) == 7, before
         term.proc.kill()  # no chance to stop anything: the kernel tells the children
         term.proc.wait(30)
         wait_for(
