@@ -411,9 +411,8 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     if nproc > 1 and distributed.world()[1] == 1:  # `--nproc N` outside torchrun: start it
         distributed.launch(nproc, distributed.without_nproc(sys.argv[1:]))
     stop = threading.Event()
-    previous = lifecycle.on_stop_signals(
-        stop, "trainer", "finishing the current step, then a final checkpoint"
-    )
+    doing = "finishing the current step, then a final checkpoint"
+    previous = lifecycle.on_stop_signals(stop, "trainer", doing, orphan_grace=lifecycle.TRAINER_ORPHAN_GRACE)
     _quiet_transformers()
     dp: DataParallel | None = None
     try:

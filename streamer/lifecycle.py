@@ -28,7 +28,10 @@ import threading
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-ORPHAN_GRACE = 60.0  # seconds a role whose supervisor died has to stop before it exits anyway
+# seconds a role whose supervisor died has to stop before it exits anyway: the trainer's final
+# checkpoint is worth a minute; the other roles have nothing to save that needs more than a few
+ORPHAN_GRACE = 10.0
+TRAINER_ORPHAN_GRACE = 60.0
 _PARENT = os.getppid()  # who started this process (a fact of the process, read once)
 
 
@@ -77,7 +80,9 @@ def exit_if_orphaned(what: str, grace: float = ORPHAN_GRACE) -> bool:
     return True
 
 
-def on_stop_signals(stop: threading.Event, what: str, doing: str = "stopping") -> dict:
+def on_stop_signals(
+    stop: threading.Event, what: str, doing: str = "stopping", orphan_grace: float = ORPHAN_GRACE
+) -> dict:
     """The stop handlers of a role: SIGTERM/SIGINT log, set ``stop`` and arm the orphan
     backstop; the handlers that were there before come back, so a second signal is not
     graceful (the rule above). Returns those handlers, for :func:`restore_signals`."""
@@ -86,7 +91,7 @@ def on_stop_signals(stop: threading.Event, what: str, doing: str = "stopping") -
     def on_signal(signum, _frame) -> None:
         log.info("%s: %s: %s", what, signal.Signals(signum).name, doing)
         stop.set()
-        exit_if_orphaned(what)
+        exit_if_orphaned(what, orphan_grace)
         restore_signals(previous)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
