@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from streamer import weights
-from streamer.errors import StreamerError
+from streamer.errors import CheckpointError
 from streamer.weights import fsync, sha256_file, writing
 
 log = logging.getLogger(__name__)
@@ -41,10 +41,6 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 STATE = "state.json"
 _NAME = re.compile(r"^step-(\d{8,})-v(\d{8,})$")
-
-
-class CheckpointError(StreamerError, ValueError):
-    """A checkpoint directory that is incomplete, damaged, or of another format."""
 
 
 class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):

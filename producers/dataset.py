@@ -5,7 +5,7 @@ One JSON object per line, with either ``messages`` (a chat: a list of ``{"role",
 Blank lines are skipped; anything else that is not such an object is a
 :class:`DatasetError` naming the file and line, raised before any work starts.
 
-Rows are handed out by global *tickets* (see :mod:`producers.leases`): ticket ``t`` is
+Rows are handed out by global *tickets* (see :mod:`streamer.admission`): ticket ``t`` is
 position ``t % N`` of epoch ``t // N``, and each epoch visits the rows in its own seeded
 shuffle, so every producer maps a ticket to the same row without talking to the others.
 """
@@ -20,11 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from streamer import demo
-from streamer.errors import ConfigError
-
-
-class DatasetError(ConfigError):
-    """A dataset that cannot be used; the message names the file and line."""
+from streamer.errors import DatasetError
 
 
 def load_rows(source: str, *, split: str = "train") -> list[dict]:

@@ -36,12 +36,11 @@ from producers.dataset import Order
 from producers.follow import WeightFollower
 from producers.heartbeat import Heartbeat
 from producers.inflight import WeightGate, blocking, retrying
-from producers.leases import EXHAUSTED, WAIT, Leases
 from producers.samplers import SamplerError
 from producers.stats import Pending, Timings, episode_values, group_values
 from schemas import MetricsEvent, TrajectoryGroup, encode
 from streamer import lifecycle
-from streamer.admission import Admission, LeaseLost
+from streamer.admission import EXHAUSTED, WAIT, Admission, LeaseLost, Leases
 from streamer.batching import MicroBatcher
 from streamer.bus import Publisher, connect, unacked
 from streamer.config import RunConfig
@@ -269,7 +268,7 @@ class Producer:
             if isinstance(leaf, PrefixMismatch):
                 self.pending.add("prefix_mismatches")
         self.pending.add(f"episodes_dropped_{reason}", self.p.group_size)
-        # counted on the server per row (producers/leases.py): after producer.max_row_attempts
+        # counted on the server per row (streamer/admission.py): after producer.max_row_attempts
         # failed attempts, by any producer, the next claim skips the row with this reason
         log.error("%s: rollout %s %s; row handed back", where, self.rollout_path, why)
         self._hand_back(ticket, error=f"rollout {why}")

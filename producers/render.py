@@ -80,10 +80,6 @@ class Renderer:
         """Completion text for rewards: special tokens (EOS) dropped."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def stop_strings(self) -> list[str]:
-        """The stop ids as text, for servers that only take stop strings."""
-        return [self.tokenizer.decode([i]) for i in self.stop_ids]
-
 
 def stop_ids(tokenizer, extra: Iterable[int] = ()) -> list[int]:
     """EOS id(s) of the tokenizer, then ``extra`` (e.g. generation_config.eos_token_id)."""

@@ -18,7 +18,7 @@ import numpy as np
 from producers.rewards import score
 from schemas import Sample, Span
 from schemas.metric_names import EPISODE_DROP_REASONS
-from streamer.errors import StreamerError
+from streamer.errors import EpisodeRejected
 from streamer.rollout_types import DEFAULT_ROLLOUT, Episode, Rollout, RolloutContext, Segment, load_rollout
 
 log = logging.getLogger(__name__)
@@ -26,14 +26,6 @@ log = logging.getLogger(__name__)
 DEFAULT = DEFAULT_ROLLOUT
 # why an episode (or a whole rollout) was dropped: counted as rollout `episodes_dropped_{reason}`
 REASONS = EPISODE_DROP_REASONS
-
-
-class EpisodeRejected(StreamerError, ValueError):
-    """An episode that must not be trained; ``reason`` is one of :data:`REASONS`."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
 
 
 async def single_turn(row: dict, ctx: RolloutContext) -> list[Episode]:

@@ -1,6 +1,28 @@
-"""Bounded staleness by admission (the AReaL rule), every slot taken and given back once.
+"""Row leases and admission slots: the one home of the invariant that every row is published
+at most once, none is lost, and every admission slot is taken and given back exactly once.
 
-A group may start only while ``in_flight < (max_staleness + 1) * groups_per_step``, where
+**Leases.** A producer claims a *ticket* (see :class:`producers.dataset.Order`) in one Lua script:
+first it sweeps leases that expired (their producer died or stalled) onto ``…:requeue``,
+then takes the oldest requeued ticket, else ``INCR``s ``…:cursor``. The lease lives in
+``…:leases`` (ZSET ticket -> expiry, server time) and ``…:lease_owner`` (HASH ticket ->
+producer id); the holder renews it while it works.
+
+Every later step checks ownership inside the same script that acts, so a producer whose
+lease was swept cannot publish a row that someone else now holds:
+
+- :meth:`Leases.publish` XADDs the group *and* drops the lease atomically (a crash before
+  it leaves the row leased, to be re-issued; after it, the row is done);
+- :meth:`Leases.finish` drops the lease without publishing (the group was dropped);
+- :meth:`Leases.hand_back` requeues the ticket at the front (shutdown, sampler failure).
+
+Admission slots are tied to leases as well: the producer's admission
+(``Admission.try_admit(ticket, owner)``) records that a ticket holds a slot
+(``keys.lease_slots``), in the script that takes it, and whoever ends a lease without
+publishing (hand back, finish, or the sweep of a dead producer's lease) gives the slot
+back, so a crashed producer cannot leak admission capacity. Publishing moves the slot to
+the entry (``keys.held_slots``); the trainer gives it back (:meth:`Admission.release`).
+
+**Admission.** A group may start only while ``in_flight < (max_staleness + 1) * groups_per_step``, where
 ``in_flight`` (the counter ``…:admitted``) counts groups admitted and not yet trained or
 released. This is AReaL's ``admitted < (max_staleness + version + 1) * groups_per_step``
 with the trained groups (``version * groups_per_step`` of them) taken off both sides: the
@@ -13,7 +35,7 @@ Every slot has an owner, and the counter moves only when an owner set changes:
 - a row lease: ``…:lease_slots`` (ticket) — taken by :meth:`Admission.try_admit` with the
   ticket (``SADD`` == 1 then ``INCR``), given back when the lease ends unpublished;
 - a published group: ``…:held_slots`` (trajectory entry id) — the slot moves there from the
-  ticket in the script that publishes it (producers/leases.py);
+  ticket in the script that publishes it (:meth:`Leases.publish`);
 - :meth:`Admission.release` gives back the slots of entries the trainer trained, rejected
   or dead-lettered: ``SREM`` == 1 then ``DECR``, so a repeat, or an entry that never held a
   slot (published by hand, a fuzzer), changes nothing. The counter cannot go negative.
@@ -21,18 +43,129 @@ Every slot has an owner, and the counter moves only when an owner set changes:
 :meth:`Admission.reconcile` (trainer start) drops owners whose entries are gone or already
 acknowledged and sets the counter to the owners' count, which also repairs a run whose
 counter a bug, an operator or an older version left wrong.
+
+Which script touches which key of a run (W writes, R reads; every key shares the run's hash
+tag, so each script runs on one node of a cluster):
+
+    script      cursor leases owner requeue lease_slots admitted held_slots attempts traj
+    _CLAIM      W      W      W     W       W           W (DECR) .          W        .
+    _RENEW      .      W      R     .       .           .        .          .        .
+    _ADMIT      .      .      R     .       W           W (INCR) .          .        .
+    _PUBLISH    .      W      W     .       W           .        W          W        W (XADD)
+    _END        .      W      W     W       W           W (DECR) .          W        .
+    _RELEASE    .      .      .     .       .           W (DECR) W          .        W (XACK)
+    _RECONCILE  .      .      .     .       R           W (SET)  W          .        R
+
+(``attempts`` is ``row_attempts`` and ``row_errors``; ``_CLAIM`` also writes ``skipped_rows``;
+``_ADMIT`` reads ``limits``.) The one Python twin
+of the admission rule is :func:`admission_limit`, which `streamer status` uses.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
 import redis
 
-from streamer.errors import StreamerError
+from streamer.bus import FIELD
+from streamer.errors import LeaseLost
 from streamer.keys import Keys
 from streamer.values import DataError
+
+log = logging.getLogger(__name__)
+
+EXHAUSTED = -1  # every ticket of the configured epochs is claimed and no lease is open
+WAIT = -2  # no ticket now, but open leases may still expire and be re-issued
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+"""
+
+# KEYS: cursor leases owner requeue slots admitted attempts errors skipped
+# ARGV: owner lease_seconds limit(-1 = none) sweep_batch max_attempts(0 = no limit)
+# A lease that expired counts as a failed attempt (its producer died or stalled on the row);
+# a requeued ticket that failed max_attempts times is skipped with its last error as reason.
+_CLAIM = (
+    _NOW
+    + """
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[4])
+for _, t in ipairs(expired) do
+  redis.call('ZREM', KEYS[2], t)
+  redis.call('HDEL', KEYS[3], t)
+  if redis.call('SREM', KEYS[5], t) == 1 then redis.call('DECR', KEYS[6]) end
+  redis.call('HINCRBY', KEYS[7], t, 1)
+  if redis.call('HEXISTS', KEYS[8], t) == 0 then
+    redis.call('HSET', KEYS[8], t, 'the lease expired: its producer died or stalled on it')
+  end
+  redis.call('RPUSH', KEYS[4], t)
+end
+local max_attempts = tonumber(ARGV[5])
+local ticket = redis.call('LPOP', KEYS[4])
+while ticket and max_attempts > 0 and tonumber(redis.call('HGET', KEYS[7], ticket) or '0') >= max_attempts do
+  local why = redis.call('HGET', KEYS[8], ticket) or 'failed'
+  redis.call('HSET', KEYS[9], ticket, max_attempts .. ' attempts failed; last: ' .. why)
+  redis.call('HDEL', KEYS[7], ticket)
+  redis.call('HDEL', KEYS[8], ticket)
+  ticket = redis.call('LPOP', KEYS[4])
+end
+if not ticket then
+  local limit = tonumber(ARGV[3])
+  if limit >= 0 and tonumber(redis.call('GET', KEYS[1]) or '0') >= limit then
+    if redis.call('ZCARD', KEYS[2]) == 0 then return -1 end
+    return -2
+  end
+  ticket = redis.call('INCR', KEYS[1]) - 1
+end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ticket)
+redis.call('HSET', KEYS[3], ticket, ARGV[1])
+return tonumber(ticket)
+"""
+)
+
+# KEYS: leases owner ; ARGV: ticket owner lease_seconds
+_RENEW = (
+    _NOW
+    + """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[1])
+return 1
+"""
+)
+
+# KEYS: traj leases owner slots held attempts errors ; ARGV: ticket owner field payload
+# The ticket's admission slot moves to the published entry, which the trainer releases.
+_PUBLISH = """
+if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return false end
+local id = redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
+redis.call('HDEL', KEYS[7], ARGV[1])
+if redis.call('SREM', KEYS[4], ARGV[1]) == 1 then redis.call('SADD', KEYS[5], id) end
+return id
+"""
+
+# KEYS: leases owner slots admitted requeue attempts errors ; ARGV: ticket owner requeue(0/1) error
+# With an error the hand-back counts as a failed attempt; finishing a row forgets its failures.
+_END = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if redis.call('SREM', KEYS[3], ARGV[1]) == 1 then redis.call('DECR', KEYS[4]) end
+if ARGV[4] ~= '' then
+  redis.call('HINCRBY', KEYS[6], ARGV[1], 1)
+  redis.call('HSET', KEYS[7], ARGV[1], ARGV[4])
+elseif ARGV[3] == '0' then
+  redis.call('HDEL', KEYS[6], ARGV[1])
+  redis.call('HDEL', KEYS[7], ARGV[1])
+end
+if ARGV[3] == '1' then redis.call('LPUSH', KEYS[5], ARGV[1]) end
+return 1
+"""
+
 
 # KEYS: admitted limits [lease_owner lease_slots] ; ARGV: staleness per_step [ticket owner]
 # With a leased ticket the slot is recorded as the lease's in the same step: a retried call
@@ -106,10 +239,6 @@ return n
 """
 
 
-class LeaseLost(StreamerError):
-    """The row lease a slot was asked for has expired (its ticket went to someone else)."""
-
-
 class Admission:
     def __init__(self, client: redis.Redis, keys: Keys, *, max_staleness: int, groups_per_step: int):
         self.client, self.keys = client, keys
@@ -121,8 +250,7 @@ class Admission:
     def try_admit(self, ticket: int | None = None, owner: str = "") -> bool:
         """Take a slot if the rule allows; with ``ticket``, as that lease's (LeaseLost if gone).
 
-        Without a ticket the slot has no owner to give it back (tests and benchmarks only;
-        :meth:`producers.leases.Leases.hold_slot` attaches it to a lease).
+        Without a ticket the slot has no owner to give it back (tests and benchmarks only).
         """
         keys, args = [self.keys.admitted, self.keys.limits], list(self.defaults)
         if ticket is not None:
@@ -181,3 +309,89 @@ class Admission:
 def admission_limit(max_staleness: int, groups_per_step: int) -> int:
     """Groups that may be in flight at once."""
     return (max_staleness + 1) * groups_per_step
+
+
+class Leases:
+    """Claims, renews and ends row leases of one producer (``owner``)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        owner: str,
+        lease_seconds: float,
+        total_tickets: int | None = None,
+        sweep_batch: int = 100,
+        max_attempts: int = 0,
+    ):
+        self.client, self.keys, self.owner = client, keys, owner
+        self.lease_seconds, self.total_tickets = lease_seconds, total_tickets
+        self.sweep_batch = sweep_batch
+        self.max_attempts = max_attempts  # failed attempts before a row is skipped; 0 = never
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._publish = client.register_script(_PUBLISH)
+        self._end = client.register_script(_END)
+
+    def claim(self) -> int:
+        """A ticket (>= 0) now leased to us, or :data:`EXHAUSTED` / :data:`WAIT`."""
+        k = self.keys
+        limit = -1 if self.total_tickets is None else self.total_tickets
+        return int(
+            self._claim(
+                keys=[
+                    *(k.cursor, k.leases, k.lease_owner, k.requeue, k.lease_slots, k.admitted),
+                    *(k.row_attempts, k.row_errors, k.skipped_rows),
+                ],
+                args=[self.owner, self.lease_seconds, limit, self.sweep_batch, self.max_attempts],
+            )
+        )
+
+    def renew(self, ticket: int) -> bool:
+        """Push the lease's expiry out; False when it is no longer ours."""
+        k = self.keys
+        return bool(
+            self._renew(keys=[k.leases, k.lease_owner], args=[ticket, self.owner, self.lease_seconds])
+        )
+
+    def publish(self, ticket: int, payload: bytes) -> str | None:
+        """XADD ``payload`` to the trajectory stream and end the lease, atomically.
+
+        Returns the entry id, or None (nothing published) when the lease was lost.
+        """
+        k = self.keys
+        entry = self._publish(
+            keys=[k.traj, k.leases, k.lease_owner, k.lease_slots, k.held_slots, k.row_attempts, k.row_errors],
+            args=[ticket, self.owner, FIELD, payload],
+        )
+        return None if entry is None else entry.decode() if isinstance(entry, bytes) else entry
+
+    def finish(self, ticket: int) -> bool:
+        """End the lease without publishing (the row is done for this epoch); frees its slot."""
+        return self._end_lease(ticket, requeue=False)
+
+    def hand_back(self, ticket: int, *, error: str = "") -> bool:
+        """End the lease and requeue the ticket first in line; frees its slot.
+
+        With ``error`` (the row's work failed) it counts as a failed attempt: after
+        ``max_attempts`` of them the row is skipped instead of handed out again.
+        """
+        return self._end_lease(ticket, requeue=True, error=error)
+
+    def _end_lease(self, ticket: int, *, requeue: bool, error: str = "") -> bool:
+        k = self.keys
+        return bool(
+            self._end(
+                keys=[
+                    k.leases,
+                    k.lease_owner,
+                    k.lease_slots,
+                    k.admitted,
+                    k.requeue,
+                    k.row_attempts,
+                    k.row_errors,
+                ],
+                args=[ticket, self.owner, int(requeue), error[:500]],
+            )
+        )

@@ -1,6 +1,6 @@
 """`streamer` command line: one role per process, or `up` for all of them on one machine.
 
-Exit codes: 0 done, 1 failed at run time, 2 bad config or arguments, 3 not built yet.
+Exit codes: 0 done, 1 failed at run time, 2 bad config or arguments, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -138,13 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(args)
         module, _, func = ROLES[args.cmd].partition(":")
-        try:
-            entry = getattr(importlib.import_module(module), func)
-        except ModuleNotFoundError as e:
-            if e.name and module.startswith(e.name):
-                print(f"streamer {args.cmd}: not built yet", file=sys.stderr)
-                return 3
-            raise
+        entry = getattr(importlib.import_module(module), func)
         return int(entry(cfg, args) or 0)
     except ConfigError as e:
         print(f"streamer {args.cmd}: config error: {e}", file=sys.stderr)

@@ -19,16 +19,12 @@ import logging
 from pathlib import Path
 
 from streamer.config import LoraSection
-from streamer.errors import StreamerError
+from streamer.errors import AdapterError
 
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-
-class AdapterError(StreamerError, ValueError):
-    """An adapter directory does not fit the model it is loaded into."""
 
 
 def is_adapter(directory: Path) -> bool:

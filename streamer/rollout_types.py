@@ -28,22 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from streamer.errors import StreamerError
+from streamer.errors import SamplerError
 
 FinishReason = Literal["stop", "length"]
-
-
-class SamplerError(StreamerError, RuntimeError):
-    """Sampling failed (server unreachable after retries, malformed answer, ...).
-
-    ``refused``: the engine answered that this request is wrong (an HTTP 4xx such as a prompt
-    longer than the model's context), so the row is at fault, not the engine: it counts as
-    one of the row's failed attempts (``producer.max_row_attempts``); an outage does not.
-    """
-
-    def __init__(self, message: str, *, refused: bool = False):
-        super().__init__(message)
-        self.refused = refused
 
 
 @dataclass(frozen=True, slots=True)

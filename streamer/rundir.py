@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from streamer.errors import ConfigError, StreamerError
+from streamer.errors import ConfigError, LockedError
 from streamer.weights import writing
 
 RUN_MARKER = ".streamer-run"  # {data_dir}/{run}/: created by streamer for this run
@@ -27,10 +27,6 @@ SERVER_LOCK = ".server.lock"
 TRAINER_LOCK = ".trainer.lock"
 # what Streamer writes inside a run directory (anything else is the user's and is kept)
 RUN_ENTRIES = ("weights", "checkpoints", "logs", "curve.json", TRAINER_LOCK, RUN_MARKER)
-
-
-class LockedError(StreamerError):
-    """Another process holds the data dir or run this process needs."""
 
 
 def mark(directory: Path, marker: str) -> Path:

@@ -155,6 +155,7 @@ def snapshot(
     policy_rows, beats, live, known, dead_rows, admitted, limits, version, rejected, marker = res[
         2 * len(named) :
     ]
+    parse_int(version, keys.version, default=0)  # not shown, but a bad one is named here too
     limits = {_s(k): parse_int(v, f"{keys.limits} {_s(k)}") for k, v in _hash(limits, keys.limits).items()}
     marker = {_s(k): _s(v) for k, v in _hash(marker, keys.run_marker).items()}
     syncs = _decode_rows(policy_rows, WeightSync)
@@ -180,7 +181,7 @@ def snapshot(
         dead_last=[_dead(d) for d in _decode_rows(dead_rows, DeadLetter)],
         admitted=parse_int(admitted, keys.admitted, default=0),
         limits=limits,
-        admission_limit=_admission_limit(limits, parse_int(version, keys.version, default=0)),
+        admission_limit=_admission_limit(limits),
         waiting_groups=_waiting(streams[0]),
         rejected_since_step={
             _s(k): parse_int(v, keys.rejected_since_step)
@@ -254,7 +255,7 @@ def _group(client: redis.Redis, key: str, g: dict) -> GroupInfo:
     )
 
 
-def _admission_limit(limits: dict[str, int], version: int) -> int | None:
+def _admission_limit(limits: dict[str, int]) -> int | None:
     if not {"max_staleness", "groups_per_step"} <= limits.keys():
         return None  # no trainer has published its limits yet
     return admission_limit(limits["max_staleness"], limits["groups_per_step"])

@@ -19,20 +19,8 @@ model saw.
 
 from __future__ import annotations
 
-from streamer.errors import StreamerError
+from streamer.errors import PrefixMismatch
 from streamer.rollout_types import Completion, Episode, Segment
-
-
-class PrefixMismatch(StreamerError, ValueError):
-    """An engine call's prompt does not extend the trajectory; ``index`` is the first difference."""
-
-    def __init__(self, index: int, expected: int | None, got: int | None, call: int):
-        self.index, self.expected, self.got, self.call = index, expected, got, call
-        super().__init__(
-            f"engine call {call}: prompt diverges from the trajectory at token {index} "
-            f"(trajectory has {expected}, prompt has {got}); render new messages with "
-            "Trajectory.append_messages instead of re-rendering the history"
-        )
 
 
 class Trajectory:

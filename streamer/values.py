@@ -7,11 +7,7 @@ traceback from ``int()`` deep inside a role.
 
 from __future__ import annotations
 
-from streamer.errors import StreamerError
-
-
-class DataError(StreamerError, ValueError):
-    """A value in the server that this version of Streamer cannot use."""
+from streamer.errors import DataError
 
 
 def parse_int(raw, key: str, *, default: int | None = None, minimum: int | None = None) -> int:

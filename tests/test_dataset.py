@@ -8,9 +8,8 @@ import threading
 import pytest
 
 from producers.dataset import DatasetError, Order, load_rows
-from producers.leases import EXHAUSTED, WAIT, Leases
 from streamer import demo
-from streamer.admission import Admission
+from streamer.admission import EXHAUSTED, WAIT, Admission, LeaseLost, Leases
 
 
 def _expire(client, keys, ticket: int) -> None:
@@ -140,7 +139,7 @@ def test_slots_of_unpublished_leases_are_given_back(client, keys):
     a = Leases(client, keys, owner="a", lease_seconds=30)
     for leases in (dead, a, a):
         t = leases.claim()
-        assert adm.try_admit() and leases.hold_slot(t)
+        assert adm.try_admit(t, leases.owner)  # the slot is the lease's, in the same script
     assert adm.snapshot()["admitted"] == 3
     a.publish(1, b"g")  # a published group keeps its slot (the trainer releases rejects)
     a.hand_back(2)  # handed back: slot returned
@@ -148,5 +147,7 @@ def test_slots_of_unpublished_leases_are_given_back(client, keys):
     _expire(client, keys, 0)
     assert a.claim() == 2 and a.claim() == 0  # the handed-back one first, then the expired one
     assert adm.snapshot()["admitted"] == 1 and client.scard(keys.lease_slots) == 0
-    # a lease lost while waiting for admission gives the fresh slot straight back
-    assert adm.try_admit() and not dead.hold_slot(0) and adm.snapshot()["admitted"] == 1
+    # a lease lost while waiting for admission takes no slot
+    with pytest.raises(LeaseLost):
+        adm.try_admit(0, dead.owner)
+    assert adm.snapshot()["admitted"] == 1

@@ -13,8 +13,7 @@ import pytest
 from harness import report, run_config, wait_for
 from trainer_data import REPO, make_group, publish
 
-from producers.leases import Leases
-from streamer.admission import Admission
+from streamer.admission import Admission, Leases
 from streamer.bus import connect
 from streamer.keys import Keys
 
