@@ -56,6 +56,7 @@ from producers.samplers import Completion
 from schemas import MetricsEvent, decode
 from streamer import demo
 from streamer.bus import FIELD, connect
+from streamer.config import write_toml
 from streamer.keys import Keys
 
 SIDES = {"sync": 0, "async": 2}  # side name -> trainer.max_staleness
@@ -98,17 +99,27 @@ def write_config(
     path: Path, *, run: str, redis_url: str, sampler_url: str, staleness: int, args: argparse.Namespace
 ) -> Path:
     """The demo's run config with the remote sampler and ``staleness``."""
-    path.write_text(
-        f'[run]\nname = "{run}"\nredis_url = "{redis_url}"\ndata_dir = "{path.parent}"\n'
-        f"[trainer]\ngroups_per_step = {args.groups_per_step}\nmax_staleness = {staleness}\n"
-        f"steps = {args.warmup + args.steps}\nlr = 1e-3\nppo_minibatches = 2\n"
-        'overlong = "keep"\ncheckpoint_every = 20\n'
-        f'[producer]\nsampler = "remote"\nremote_url = "{sampler_url}"\n'
-        f'group_size = {args.group_size}\nmax_new_tokens = 2\nreward = "streamer.demo:reward"\n'
-        "shutdown_grace = 5.0\n"
-        f"concurrency = {args.concurrency}\nremote_concurrency = {max(8, args.concurrency)}\n"
-    )
-    return path
+    trainer = {
+        "groups_per_step": args.groups_per_step,
+        "max_staleness": staleness,
+        "steps": args.warmup + args.steps,
+        "lr": 1e-3,
+        "ppo_minibatches": 2,
+        "overlong": "keep",
+        "checkpoint_every": 20,
+    }
+    producer = {
+        "sampler": "remote",
+        "remote_url": sampler_url,
+        "group_size": args.group_size,
+        "max_new_tokens": 2,
+        "reward": "streamer.demo:reward",
+        "shutdown_grace": 5.0,
+        "concurrency": args.concurrency,
+        "remote_concurrency": max(8, args.concurrency),
+    }
+    run_section = {"name": run, "redis_url": redis_url, "data_dir": str(path.parent)}
+    return write_toml(path, {"run": run_section, "trainer": trainer, "producer": producer})
 
 
 def spawn(role: str, config: Path, log: Path, *extra: str, threads: int, log_level: str) -> subprocess.Popen:

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from streamer import demo  # noqa: E402
-from streamer.config import LOSS_KEYS, replace  # noqa: E402
+from streamer.config import LOSS_KEYS, replace, to_toml  # noqa: E402
 
 TARGET = 0.8
 GOAL = 1.1
@@ -46,17 +46,6 @@ def config_toml(*, loss: str, staleness: int, seed: int, steps: int, eval_every:
         eval={"eval_every": eval_every},
     )
     return to_toml(msgspec.to_builtins(cfg)).encode()
-
-
-def to_toml(tree: dict, prefix: str = "") -> str:
-    """A config tree as TOML (msgspec's TOML encoder needs tomli_w, not a dependency)."""
-    flat = {k: v for k, v in tree.items() if not isinstance(v, dict)}
-    out = [f"[{prefix}]"] if prefix and flat else []
-    out += [f"{k} = {json.dumps(v)}" for k, v in flat.items()]  # JSON scalars/lists are TOML too
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.append(to_toml(v, f"{prefix}.{k}" if prefix else k))
-    return "\n".join(out) + "\n"
 
 
 def run_cell(*, loss: str, staleness: int, seed: int, args) -> dict:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from producers.fake_server import FakeCompletionsServer, canned  # noqa: E402
 from streamer.admission import Admission  # noqa: E402
 from streamer.bus import connect  # noqa: E402
+from streamer.config import write_toml  # noqa: E402
 from streamer.keys import Keys  # noqa: E402
 from streamer.server import EmbeddedServer  # noqa: E402
 
@@ -46,15 +47,23 @@ WIDE_OPEN = 10**9
 def write_config(
     path: Path, *, run: str, redis_url: str, sampler_url: str, group_size: int, concurrency: int = 1
 ) -> Path:
-    path.write_text(
-        f'[run]\nname = "{run}"\nredis_url = "{redis_url}"\ndata_dir = "{path.parent}"\n'
-        f"[trainer]\ngroups_per_step = {WIDE_OPEN}\n"
-        f"[bus]\nmax_unacked = {WIDE_OPEN}\n"
-        f'[producer]\nsampler = "remote"\nremote_url = "{sampler_url}"\ngroup_size = {group_size}\n'
-        "min_group_size = 1\nmax_new_tokens = 2\nshutdown_grace = 5.0\n"
-        f"concurrency = {concurrency}\nremote_concurrency = {max(8, concurrency)}\n"
-    )
-    return path
+    producer = {
+        "sampler": "remote",
+        "remote_url": sampler_url,
+        "group_size": group_size,
+        "min_group_size": 1,
+        "max_new_tokens": 2,
+        "shutdown_grace": 5.0,
+        "concurrency": concurrency,
+        "remote_concurrency": max(8, concurrency),
+    }
+    tree = {
+        "run": {"name": run, "redis_url": redis_url, "data_dir": str(path.parent)},
+        "trainer": {"groups_per_step": WIDE_OPEN},
+        "bus": {"max_unacked": WIDE_OPEN},
+        "producer": producer,
+    }
+    return write_toml(path, tree)
 
 
 def measure(

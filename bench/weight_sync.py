@@ -65,6 +65,7 @@ from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
 from streamer import demo, weights
 from streamer.admission import Admission
 from streamer.bus import FIELD, connect
+from streamer.config import write_toml
 from streamer.keys import Keys
 
 GOAL = 1.5
@@ -158,15 +159,25 @@ def producer_child(config: str, producer_id: str, latency: float, *, verify: str
 def write_config(
     path: Path, *, run: str, url: str, model: str, lora_rank: int = 0, verify: str = "manifest"
 ) -> Path:
-    adapter = f"[model.lora]\nrank = {lora_rank}\nalpha = {2 * lora_rank}\n" if lora_rank else ""
-    path.write_text(
-        f'[weights]\nverify = "{"full" if verify == "full" else "manifest"}"\n'
-        f'[run]\nname = "{run}"\nredis_url = "{url}"\ndata_dir = "{path.parent}"\n'
-        f'[model]\nname_or_path = "{model}"\n{adapter}[bus]\nmax_unacked = {WIDE_OPEN}\n'
-        "[producer]\ngroup_size = 2\nmin_group_size = 1\nmax_new_tokens = 1\n"
-        'reward = "streamer.demo:reward"\ntorch_threads = 1\nshutdown_grace = 5.0\n'
-    )
-    return path
+    model_section: dict = {"name_or_path": model}
+    if lora_rank:
+        model_section["lora"] = {"rank": lora_rank, "alpha": 2 * lora_rank}
+    producer = {
+        "group_size": 2,
+        "min_group_size": 1,
+        "max_new_tokens": 1,
+        "reward": "streamer.demo:reward",
+        "torch_threads": 1,
+        "shutdown_grace": 5.0,
+    }
+    tree = {
+        "weights": {"verify": "full" if verify == "full" else "manifest"},
+        "run": {"name": run, "redis_url": url, "data_dir": str(path.parent)},
+        "model": model_section,
+        "bus": {"max_unacked": WIDE_OPEN},
+        "producer": producer,
+    }
+    return write_toml(path, tree)
 
 
 def spawn(config: Path, producer_id: str, args) -> subprocess.Popen:

@@ -8,6 +8,8 @@ are seconds. The README's config reference is generated from these classes
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from pathlib import Path
 from typing import Literal
@@ -372,6 +374,36 @@ def replace(cfg: RunConfig, **sections: dict) -> RunConfig:
         name: msgspec.structs.replace(getattr(cfg, name), **fields) for name, fields in sections.items()
     }
     return msgspec.structs.replace(cfg, **changes)
+
+
+def to_toml(tree: dict, prefix: str = "") -> str:
+    """``{section: {key: value}}`` (nested sections allowed, e.g. ``model.lora``) as TOML that
+    :func:`parse_config` reads back: strings escaped (a JSON string is a TOML basic string),
+    booleans, numbers, non-finite floats, lists. msgspec's TOML encoder would need tomli_w."""
+
+    def value(v) -> str:
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        if isinstance(v, Path):
+            v = str(v)
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v)
+
+    flat = {k: v for k, v in tree.items() if not isinstance(v, dict)}
+    out = [f"[{prefix}]"] if prefix and flat else []
+    out += [f"{k} = {value(v)}" for k, v in flat.items()]
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.append(to_toml(v, f"{prefix}.{k}" if prefix else k).rstrip("\n"))
+    return "\n".join(out) + "\n"
+
+
+def write_toml(path: str | Path, tree: dict) -> Path:
+    """:func:`to_toml` into ``path``; the path."""
+    path = Path(path)
+    path.write_text(to_toml(tree))
+    return path
 
 
 def _pretty(msg: str) -> str:

@@ -8,6 +8,7 @@ import sys
 import pytest
 from bounds import START
 
+from streamer import demo
 from streamer.config import ConfigError, RunConfig, load_config, parse_config
 from streamer.configdoc import render
 
@@ -103,3 +104,14 @@ def test_readme_config_reference_is_current():
 
     readme = Path(__file__).resolve().parent.parent / "README.md"
     assert sync(readme, check=True), "README config reference is stale: streamer config-doc --write README.md"
+
+
+def test_to_toml_round_trips_a_whole_config_with_awkward_strings():
+    import msgspec
+
+    from streamer.config import to_toml
+
+    tree = msgspec.to_builtins(demo.config())
+    tree["run"]["data_dir"] = 'a "quoted" \\ path\nwith a newline, ünïcode and a # hash'
+    tree["model"]["lora"].update(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+    assert msgspec.to_builtins(parse_config(to_toml(tree))) == tree

@@ -25,7 +25,7 @@ from schemas.metric_names import ROLLOUT
 from streamer import demo, weights
 from streamer.admission import Admission
 from streamer.bus import connect
-from streamer.config import RunConfig, replace
+from streamer.config import RunConfig, replace, write_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,20 +192,16 @@ def _blocked(client, keys, published: int) -> bool:
 
 
 def _write_config(tmp_path, keys, redis_url, **producer) -> Path:
-    lines = [
-        f'[run]\nname = "{keys.run}"\nredis_url = "{redis_url}"\ndata_dir = "{tmp_path}"\n',
-        "[trainer]\ngroups_per_step = 1000\n[bus]\nmax_unacked = 1000\n",
-        "[producer]",
-    ]
-    settings = {"group_size": 2, "max_new_tokens": 2, "torch_threads": 1, **producer}
-    lines += [f"{k} = {_toml(v)}" for k, v in settings.items()]
     path = tmp_path / f"run-{len(list(tmp_path.glob('run-*.toml')))}.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _toml(v) -> str:
-    return f'"{v}"' if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+    return write_toml(
+        path,
+        {
+            "run": {"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
+            "trainer": {"groups_per_step": 1000},
+            "bus": {"max_unacked": 1000},
+            "producer": {"group_size": 2, "max_new_tokens": 2, "torch_threads": 1, **producer},
+        },
+    )
 
 
 def _spawn(config: Path, pid: str, tmp_path: Path) -> subprocess.Popen:

@@ -19,6 +19,7 @@ import torch
 from schemas import Sample, TrajectoryGroup, encode
 from streamer import demo
 from streamer.bus import FIELD
+from streamer.config import write_toml
 
 DIGITS = [demo.tokenizer().convert_tokens_to_ids(c) for c in "0123456789"]
 EOS = demo.tokenizer().eos_token_id
@@ -105,20 +106,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def write_config(path: Path, sections: dict[str, dict]) -> Path:
     """A TOML run config from {section: {key: value}}."""
-
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        return repr(v)
-
-    lines = []
-    for name, fields in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {value(v)}" for k, v in fields.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_toml(path, sections)
 
 
 def start_trainer(config: Path, url: str, log: Path) -> subprocess.Popen:
