@@ -105,11 +105,14 @@ class BareLoop:
     """The same step in plain torch, on a model of its own."""
 
     def __init__(self, cfg: RunConfig):
-        self.tc = cfg.trainer
+        self.trainer_cfg = cfg.trainer
         self.model = build_model(cfg.run.seed)
         self.model.train()
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=self.tc.lr, betas=BETAS, weight_decay=self.tc.weight_decay
+            self.model.parameters(),
+            lr=self.trainer_cfg.lr,
+            betas=BETAS,
+            weight_decay=self.trainer_cfg.weight_decay,
         )
 
     def _logp(self, mb):
@@ -117,7 +120,7 @@ class BareLoop:
         return L.token_logprobs(logits, mb.targets)
 
     def step(self, batch) -> None:
-        tc = self.tc
+        tc = self.trainer_cfg
         with torch.no_grad():
             batch = batch.replace(prox_logp=self._logp(batch))
         for mb in batch.split(tc.ppo_minibatches):

@@ -42,10 +42,10 @@ class Evaluator:
     def __init__(
         self, cfg: RunConfig, *, client: redis.Redis, task: Task, sampler, stop: threading.Event | None = None
     ):
-        self.cfg, self.e, self.client, self.task, self.sampler = cfg, cfg.eval, client, task, sampler
+        self.cfg, self.eval_cfg, self.client, self.task, self.sampler = cfg, cfg.eval, client, task, sampler
         self.keys = Keys(cfg.run.name)
         self.stop = stop or threading.Event()
-        self.rows = task.rows[: self.e.max_rows] if self.e.max_rows else task.rows
+        self.rows = task.rows[: self.eval_cfg.max_rows] if self.eval_cfg.max_rows else task.rows
         self.prompts = [_render(task, row, i) for i, row in enumerate(self.rows)]
         self.follower = WeightFollower(
             client, self.keys, weights_dir=cfg.weights_dir, sampler=sampler, verify=cfg.weights.verify
@@ -58,7 +58,7 @@ class Evaluator:
         log.info(
             "evaluating %d rows every %d versions (reward %s)",
             len(self.rows),
-            self.e.eval_every,
+            self.eval_cfg.eval_every,
             self.task.reward_path,
         )
         retrying(self.start, what="evaluator")  # server outages: logged backoff
@@ -75,7 +75,9 @@ class Evaluator:
     def step(self, *, block: float = 0.0) -> int | None:
         """Read what is new; evaluate the newest eligible version. Returns it, or None."""
         syncs = self._drain(block)
-        eligible = [s for s in syncs if s.version % self.e.eval_every == 0 and s.version > self._last()]
+        eligible = [
+            s for s in syncs if s.version % self.eval_cfg.eval_every == 0 and s.version > self._last()
+        ]
         for sync in sorted(eligible, key=lambda s: s.version, reverse=True):
             if self.follower.load(sync):  # the newest that loads; older ones are skipped
                 skipped = len(eligible) - 1
@@ -115,15 +117,15 @@ class Evaluator:
     def _greedy(self, version: int) -> tuple[list[float], list[int], list[bool]] | None:
         """Single-turn: batched greedy completions of the rendered rows, then the reward."""
         rewards, lengths = [], []
-        for lo in range(0, len(self.prompts), self.e.batch_size):
+        for lo in range(0, len(self.prompts), self.eval_cfg.batch_size):
             if self.stop.is_set():
                 log.info("stopped during the evaluation of version %d; nothing published", version)
                 return None
             batch = self.sampler.sample_many(
-                self.prompts[lo : lo + self.e.batch_size],
+                self.prompts[lo : lo + self.eval_cfg.batch_size],
                 n=1,
                 temperature=0,
-                max_new_tokens=self.e.max_new_tokens,
+                max_new_tokens=self.eval_cfg.max_new_tokens,
             )
             for row, (completion,) in zip(self.rows[lo:], batch):
                 rewards.append(self._reward(row, completion))
@@ -138,7 +140,7 @@ class Evaluator:
             task=self.task,
             sampler=self.sampler,
             rollout=load_rollout(self.cfg.producer.rollout),
-            max_new_tokens=self.e.max_new_tokens,
+            max_new_tokens=self.eval_cfg.max_new_tokens,
         )
         rewards = [e.reward if e is not None else 0.0 for e in episodes]
         lengths = [len(e.tokens) - len(e.segments[0].tokens) if e is not None else 0 for e in episodes]
@@ -163,7 +165,7 @@ class Evaluator:
         return self.evaluated[-1] if self.evaluated else -1
 
     def _done(self) -> bool:
-        return bool(self.e.max_versions) and len(self.evaluated) >= self.e.max_versions
+        return bool(self.eval_cfg.max_versions) and len(self.evaluated) >= self.eval_cfg.max_versions
 
 
 def _render(task: Task, row: dict, index: int) -> list[int]:

@@ -71,12 +71,15 @@ class Trainer:
         group_filter: GroupFilter | None = None,
         dp: DataParallel | None = None,
     ):
-        self.cfg, self.tc, self.client, self.keys = cfg, cfg.trainer, client, keys
+        self.cfg, self.trainer_cfg, self.client, self.keys = cfg, cfg.trainer, client, keys
         self.learner, self.stop, self.name = learner, stop, name
         self.dp = dp  # under torchrun: this is rank 0, the other ranks follow its batches
-        self.group_filter = group_filter or GroupFilter.from_config(self.tc)  # before any write
+        self.group_filter = group_filter or GroupFilter.from_config(self.trainer_cfg)  # before any write
         self.admission = Admission(
-            client, keys, max_staleness=self.tc.max_staleness, groups_per_step=self.tc.groups_per_step
+            client,
+            keys,
+            max_staleness=self.trainer_cfg.max_staleness,
+            groups_per_step=self.trainer_cfg.groups_per_step,
         )
         self.version = 0
         self.parent: str | None = None  # the newest checkpoint
@@ -90,7 +93,7 @@ class Trainer:
             client,
             keys,
             root=cfg.weights_dir,
-            keep_versions=self.tc.keep_versions,
+            keep_versions=self.trainer_cfg.keep_versions,
             protect=lambda: self.checkpointed_version,
         )
 
@@ -109,7 +112,7 @@ class Trainer:
         self.lineage.add(self.version, self.step)
         self._state("running")
         log.info("policy version %d at step %d (%s)", self.version, self.step, self.parent or "initial")
-        tc = self.tc
+        tc = self.trainer_cfg
         self.admission.publish_limits(max_staleness=tc.max_staleness, groups_per_step=tc.groups_per_step)
         vocab = self.learner.model.get_input_embeddings().num_embeddings
         consumer = Consumer(
@@ -128,7 +131,7 @@ class Trainer:
         self._ack_covered_pending()
         in_flight = self.admission.reconcile(TRAINER_GROUP)  # slots of what is gone come back
         log.info("admission: %d groups in flight", in_flight)
-        tc = self.tc
+        tc = self.trainer_cfg
         self.feeder = Feeder(
             consumer,
             admission=self.admission,
@@ -253,7 +256,7 @@ class Trainer:
             self._train(ready, waited)
 
     def _done(self) -> bool:
-        return self.tc.steps > 0 and self.step >= self.tc.steps
+        return self.trainer_cfg.steps > 0 and self.step >= self.trainer_cfg.steps
 
     def _next_batch(self) -> tuple[Ready | None, float]:
         """The next batch of groups still within the staleness window (None once stopped)."""
@@ -263,7 +266,7 @@ class Trainer:
             if ready is None:
                 continue
             entries = list(zip(ready.entry_ids, ready.groups))
-            window = self.tc.max_staleness
+            window = self.trainer_cfg.max_staleness
             stale = {
                 i
                 for i, g in entries
@@ -292,8 +295,8 @@ class Trainer:
         blocked = self.versions.submit(self.learner.publishable, version=self.version, step=self.step)
         # Trained entries stay unacknowledged until a checkpoint covers them, and producers
         # wait while bus.max_unacked entries are: checkpoint early rather than deadlock.
-        early = len(self.trained) + self.tc.groups_per_step > self.cfg.bus.max_unacked // 2
-        if self.step % self.tc.checkpoint_every == 0 or early:
+        early = len(self.trained) + self.trainer_cfg.groups_per_step > self.cfg.bus.max_unacked // 2
+        if self.step % self.trainer_cfg.checkpoint_every == 0 or early:
             self.checkpoint()
         rewards = [r for g in ready.groups for r in g.rewards().tolist()]
         lengths = [s.completion_len for g in ready.groups for s in g.samples]
@@ -361,7 +364,7 @@ class Trainer:
                 what="trimming trajectories",
                 give_up_after=self.give_up_after,
             )
-        checkpoint.prune(self.cfg.checkpoint_dir, self.tc.keep_checkpoints)
+        checkpoint.prune(self.cfg.checkpoint_dir, self.trainer_cfg.keep_checkpoints)
         log.info("checkpoint %s covers %d groups (high-water %s)", meta.name, len(entry_ids), meta.high_water)
 
 

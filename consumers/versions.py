@@ -50,7 +50,7 @@ return 1
 POLICY_KEEP = 1000  # WeightSync entries kept on the policy stream (at least keep_versions)
 
 
-class Snapshot:
+class WeightsCopy:
     """A CPU copy of a model's weights that saves like the model (tied tensors stay tied)."""
 
     def __init__(self, model):
@@ -88,7 +88,7 @@ class VersionPublisher:
         """Snapshot ``model`` now, publish it as ``version`` soon; returns seconds blocked."""
         self._raise_if_failed()
         start = time.monotonic()
-        self._queue.put((Snapshot(model), version, step))
+        self._queue.put((WeightsCopy(model), version, step))
         return time.monotonic() - start
 
     def drain(self) -> None:

@@ -70,10 +70,10 @@ class Producer:
         stop: threading.Event | None = None,
         rollout=None,
     ):
-        self.cfg, self.p, self.client, self.id = cfg, cfg.producer, client, producer_id
+        self.cfg, self.producer_cfg, self.client, self.id = cfg, cfg.producer, client, producer_id
         self.task, self.sampler = task, sampler
-        self.rollout = rollout or rollouts.load(self.p.rollout)
-        self.rollout_path = self.p.rollout or rollouts.DEFAULT
+        self.rollout = rollout or rollouts.load(self.producer_cfg.rollout)
+        self.rollout_path = self.producer_cfg.rollout or rollouts.DEFAULT
         self.keys = Keys(cfg.run.name)
         self.stop = stop or threading.Event()
         self.order = Order(len(task.rows), seed=cfg.run.seed)
@@ -81,9 +81,9 @@ class Producer:
             client,
             self.keys,
             owner=producer_id,
-            lease_seconds=self.p.lease_seconds,
-            total_tickets=self.order.total_tickets(self.p.epochs),
-            max_attempts=self.p.max_row_attempts,
+            lease_seconds=self.producer_cfg.lease_seconds,
+            total_tickets=self.order.total_tickets(self.producer_cfg.epochs),
+            max_attempts=self.producer_cfg.max_row_attempts,
         )
         t = cfg.trainer
         self.admission = Admission(
@@ -100,7 +100,7 @@ class Producer:
         self.in_flight = 0  # rows between claim and publish/drop/hand-back
         self._failures = 0
         self._gate: WeightGate | None = None
-        self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.p.lease_seconds / 3))
+        self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.producer_cfg.lease_seconds / 3))
 
     @property
     def current(self) -> int | None:
@@ -116,9 +116,9 @@ class Producer:
             "producer %s: %d rows, G=%d, %d in flight, sampler %s, rollout %s, reward %s",
             self.id,
             len(self.task.rows),
-            self.p.group_size,
-            self.p.concurrency,
-            self.p.sampler,
+            self.producer_cfg.group_size,
+            self.producer_cfg.concurrency,
+            self.producer_cfg.sampler,
             self.rollout_path,
             self.task.reward_path,
         )
@@ -136,21 +136,24 @@ class Producer:
     async def _run(self) -> None:
         self._setup()
         async with anyio.create_task_group() as tg:
-            for _ in range(self.p.concurrency):
+            for _ in range(self.producer_cfg.concurrency):
                 tg.start_soon(self._worker)
 
     def _setup(self) -> None:
         """Per event loop: the weight gate and the thread limiters."""
         self._gate = WeightGate(exclusive=getattr(self.sampler, "max_parallel", 1) == 1)
-        self._redis_limiter = anyio.CapacityLimiter(self.p.concurrency + 2)
+        self._redis_limiter = anyio.CapacityLimiter(self.producer_cfg.concurrency + 2)
         self._sample_limiter = anyio.CapacityLimiter(getattr(self.sampler, "max_parallel", 1))
         local = getattr(self.sampler, "max_parallel", 1) == 1 and hasattr(self.sampler, "sample_many")
         self._batcher = MicroBatcher(self._sample_batch) if local else None
 
     async def _worker(self) -> None:
         while not self.stop.is_set():
-            if self.p.max_groups and self.published + self.in_flight >= self.p.max_groups:
-                if self.published >= self.p.max_groups:
+            if (
+                self.producer_cfg.max_groups
+                and self.published + self.in_flight >= self.producer_cfg.max_groups
+            ):
+                if self.published >= self.producer_cfg.max_groups:
                     log.info("published %d groups (max_groups): done", self.published)
                     return
                 await anyio.sleep(0.05)  # the rows in flight may still fail and need redoing
@@ -158,7 +161,7 @@ class Producer:
             # a server outage (restart, network) is waited out with logged backoff; the
             # row being worked on is handed back or its lease expires and it is re-issued
             if await retrying(self._step, what=f"producer {self.id}") == "exhausted":
-                log.info("all %d epochs claimed and finished: done", self.p.epochs)
+                log.info("all %d epochs claimed and finished: done", self.producer_cfg.epochs)
                 return
 
     def step(self) -> str:
@@ -179,7 +182,7 @@ class Producer:
             if ticket == EXHAUSTED:
                 return "exhausted"
             if ticket == WAIT:  # open leases elsewhere may still expire and come back
-                await anyio.sleep(min(1.0, self.p.lease_seconds / 4))
+                await anyio.sleep(min(1.0, self.producer_cfg.lease_seconds / 4))
                 return "wait"
             self.held.add(ticket)
             try:
@@ -219,13 +222,13 @@ class Producer:
             return "failed"
         sample_seconds = time.monotonic() - start
         samples = self._check(episodes, pos)
-        failures = max(0, self.p.group_size - len(samples))
-        if len(samples) < self.p.min_group_size:
+        failures = max(0, self.producer_cfg.group_size - len(samples))
+        if len(samples) < self.producer_cfg.min_group_size:
             log.warning(
                 "row %d: %d good samples < min_group_size %d; group dropped",
                 pos.row,
                 len(samples),
-                self.p.min_group_size,
+                self.producer_cfg.min_group_size,
             )
             return await self._drop(ticket, failures=failures)
         group = TrajectoryGroup(
@@ -245,29 +248,29 @@ class Producer:
         """The rollout's episodes, or None (counted, logged, row handed back) when it failed."""
         ctx = RolloutContext(
             task=self.task,
-            group_size=self.p.group_size,
-            temperature=self.p.temperature,
-            top_p=self.p.top_p,
-            max_new_tokens=self.p.max_new_tokens,
+            group_size=self.producer_cfg.group_size,
+            temperature=self.producer_cfg.temperature,
+            top_p=self.producer_cfg.top_p,
+            max_new_tokens=self.producer_cfg.max_new_tokens,
             seed=_seed(self.cfg.run.seed, ticket),
             sample_fn=self._sample,
             max_seq_len=self.cfg.trainer.max_seq_len,
         )
         where = f"row {pos.row} (epoch {pos.epoch})"
         try:
-            with anyio.fail_after(self.p.rollout_timeout or None):
+            with anyio.fail_after(self.producer_cfg.rollout_timeout or None):
                 return list(await self.rollout(row, ctx))
         except Exception as e:  # user code: anything it raises drops the rollout, not the producer
             leaf = _first_leaf(e)
             if isinstance(leaf, SamplerError):
                 raise leaf from e
             if isinstance(leaf, TimeoutError):
-                reason, why = "timeout", f"timed out after {self.p.rollout_timeout:.1f}s"
+                reason, why = "timeout", f"timed out after {self.producer_cfg.rollout_timeout:.1f}s"
             else:
                 reason, why = "error", f"raised {type(leaf).__name__}: {leaf}"
             if isinstance(leaf, PrefixMismatch):
                 self.pending.add("prefix_mismatches")
-        self.pending.add(f"episodes_dropped_{reason}", self.p.group_size)
+        self.pending.add(f"episodes_dropped_{reason}", self.producer_cfg.group_size)
         # counted on the server per row (streamer/admission.py): after producer.max_row_attempts
         # failed attempts, by any producer, the next claim skips the row with this reason
         log.error("%s: rollout %s %s; row handed back", where, self.rollout_path, why)
@@ -277,7 +280,7 @@ class Producer:
     def _check(self, episodes: list, pos) -> list[tuple]:
         """(Sample, Episode) of every episode that passes :func:`producers.rollout.to_sample`."""
         out = []
-        for e in episodes[: self.p.group_size]:
+        for e in episodes[: self.producer_cfg.group_size]:
             try:
                 out.append(
                     (
@@ -448,11 +451,11 @@ def _install_signals(producer: Producer) -> None:
         log.info(
             "%s: finishing the current row (grace %.0fs)",
             signal.Signals(signum).name,
-            producer.p.shutdown_grace,
+            producer.producer_cfg.shutdown_grace,
         )
         producer.stop.set()
         lifecycle.exit_if_orphaned(f"producer {producer.id}")
-        timer = threading.Timer(producer.p.shutdown_grace, _give_up, args=(producer,))
+        timer = threading.Timer(producer.producer_cfg.shutdown_grace, _give_up, args=(producer,))
         timer.daemon = True  # a loop that ends in time exits without waiting for it
         timer.start()
 

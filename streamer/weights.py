@@ -60,7 +60,7 @@ def _hash_into(h, path: Path):
 
 
 def write_version(model, root: Path, version: int) -> tuple[str, str]:
-    """Save ``model`` (a transformers PreTrainedModel, or a versions.Snapshot of one) as
+    """Save ``model`` (a transformers PreTrainedModel, or a versions.WeightsCopy of one) as
     version ``version``; (uri, sha256 of its safetensors).
 
     The bytes are hashed as they are written and the per-file digests go into
