@@ -42,6 +42,7 @@ def checkpoint_names(root) -> list[str]:
 LIVE_SECONDS = 15.0  # a producer whose last heartbeat is newer than this is live
 RATE_WINDOW = 10  # policy versions the trainer step rate is measured over
 SHOWN_PRODUCERS = 50  # newest heartbeats listed (the live count covers all of them)
+SHOWN_SKIPPED = 3  # skipped rows listed by ticket (all are counted)
 
 
 class GroupInfo(msgspec.Struct, kw_only=True):
@@ -103,6 +104,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     waiting_groups: int  # trajectory entries the trainer group has not acknowledged
     rejected_since_step: dict[str, int] = {}  # groups the trainer rejected since its last step
     trainer_state: str = ""  # "running" / "stopped" as the trainer wrote it; "" unknown
+    skipped_rows: int = 0  # rows skipped after producer.max_row_attempts failed attempts
+    skipped_last: dict[str, str] = {}  # a few of them: ticket -> why
     data_lost: str = ""  # set when the server lost this run's data (see main)
     stalled: bool = False
     reasons: list[str] = []
@@ -141,10 +144,13 @@ def snapshot(
     pipe.get(keys.version)
     pipe.hgetall(keys.rejected_since_step)
     pipe.hgetall(keys.run_marker)
+    pipe.hlen(keys.skipped_rows)
+    pipe.hscan(keys.skipped_rows, count=SHOWN_SKIPPED)
     res = pipe.execute(raise_on_error=False)
     read = [k for key in named.values() for k in (key, key)] + [
         *(keys.policy, keys.producers, keys.producers, keys.producers, keys.dead, keys.admitted),
         *(keys.limits, keys.version, keys.rejected_since_step, keys.run_marker),
+        *(keys.skipped_rows, keys.skipped_rows),
     ]
     for key, r in zip(read, res):
         if isinstance(r, Exception) and not _missing(r):
@@ -152,7 +158,7 @@ def snapshot(
     streams = [
         _stream(client, name, key, res[2 * i], res[2 * i + 1]) for i, (name, key) in enumerate(named.items())
     ]
-    policy_rows, beats, live, known, dead_rows, admitted, limits, version, rejected, marker = res[
+    policy_rows, beats, live, known, dead_rows, admitted, limits, version, rejected, marker, *skipped = res[
         2 * len(named) :
     ]
     parse_int(version, keys.version, default=0)  # not shown, but a bad one is named here too
@@ -188,6 +194,8 @@ def snapshot(
             for k, v in _hash(rejected, keys.rejected_since_step).items()
         },
         trainer_state=marker.get("trainer", ""),
+        skipped_rows=int(skipped[0] or 0),
+        skipped_last={_s(k): _s(v) for k, v in list(skipped[1][1].items())[:SHOWN_SKIPPED]},
     )
     snap.reasons = stall_reasons(snap, stall_seconds=stall_seconds)
     snap.stalled = bool(snap.reasons)
@@ -366,6 +374,9 @@ def render(snap: Snapshot) -> str:
             ("PRODUCER", "LAST BEAT", "STATE"),
             [(q.id, f"{_age(q.age_seconds)} ago", "live" if q.live else "gone") for q in snap.producers],
         )
+    if snap.skipped_rows:
+        lines.append(f"skipped rows {snap.skipped_rows} (each failed producer.max_row_attempts times)")
+        lines += _table(("TICKET", "WHY"), [(t, why[:100]) for t, why in snap.skipped_last.items()])
     lines.append(f"dead letters {snap.dead_letters}")
     if snap.dead_last:
         lines += _table(

@@ -34,6 +34,7 @@ def seed_run(client, keys: Keys, *, policy_age: float = 2.0, waiting: bool = Tru
     client.set(keys.admitted, 3)
     client.set(keys.version, 5)  # the trainer mirrors the policy version here for admission
     client.hset(keys.limits, mapping={"max_staleness": 1, "groups_per_step": 2})
+    client.hset(keys.skipped_rows, "7", "3 attempts failed; last: rollout raised ValueError: no such key")
     return now
 
 
@@ -63,6 +64,7 @@ def test_json_for_scripts(client, keys, redis_url, capsys):
     assert traj["length"] == 4
     assert [(g["name"], g["lag"], g["pending"]) for g in traj["groups"]] == [("trainer", 3, 1)]
     assert s["waiting_groups"] == 4 and s["admitted"] == 3
+    assert s["skipped_rows"] == 1 and s["skipped_last"] == {"7": client.hget(keys.skipped_rows, "7").decode()}
     assert [x["name"] for x in s["streams"]] == ["traj", "policy", "metrics", "dead"]
 
 
@@ -79,6 +81,11 @@ def test_table_for_people(client, keys, redis_url, capsys):
     # seeded 120 s before the call; the seconds digit tolerates a slow machine between the two
     assert any(re.fullmatch(r"host-2 +2m0\ds .*gone", ln.strip()) for ln in lines), out
     assert "dead letters 3" in out and "malformed msgpack" in out
+    assert "skipped rows 1 (each failed producer.max_row_attempts times)" in out
+    assert any(
+        re.fullmatch(r"7 +3 attempts failed; last: rollout raised ValueError: no such key", ln.strip())
+        for ln in lines
+    )
     assert lines[-1] == "status      ok"
 
 
