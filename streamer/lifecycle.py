@@ -2,7 +2,7 @@
 
 A terminal sends SIGINT (Ctrl-C) to its whole foreground process group and SIGHUP to it when
 it closes. `up` alone should decide the order in which things stop (producers, evaluator,
-trainer — which writes its final checkpoint — exporter, and the server last), so every child
+trainer — which writes its final checkpoint — archiver, exporter, and the server last), so every child
 it starts runs in a session of its own (``start_new_session=True``): no terminal signal
 reaches it directly. The other half: a child must not outlive `up` when `up` itself dies
 without stopping it (SIGKILL, the OOM killer). :func:`child_preexec` asks the Linux kernel
