@@ -53,10 +53,11 @@ import common as C
 
 from producers.fake_server import FakeCompletionsServer
 from producers.samplers import Completion
-from schemas import MetricsEvent, decode
+from schemas import MetricsEvent
 from streamer import demo
-from streamer.bus import FIELD, connect
+from streamer.bus import entry_event
 from streamer.config import write_toml
+from streamer.connection import connect
 from streamer.keys import Keys
 
 SIDES = {"sync": 0, "async": 2}  # side name -> trainer.max_staleness
@@ -171,7 +172,7 @@ def run_side(
             raise SystemExit(f"trainer did not finish in {args.timeout:.0f} s; log {log}") from None
         if procs[0].returncode != 0:
             raise SystemExit(f"trainer exited {procs[0].returncode}:\n{log.read_text()[-3000:]}")
-        events = [decode(f[FIELD], MetricsEvent) for _, f in client.xrange(keys.metrics)]
+        events = [entry_event(f, MetricsEvent) for _, f in client.xrange(keys.metrics)]
     finally:
         cleanups.append(threading.Thread(target=cleanup, args=(procs, client, keys)))
         cleanups[-1].start()

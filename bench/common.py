@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from schemas import Sample, TrajectoryGroup  # noqa: E402
-from streamer.bus import connect  # noqa: E402
+from streamer.connection import connect  # noqa: E402
 from streamer.keys import Keys  # noqa: E402
 from streamer.server import EmbeddedServer  # noqa: E402
 

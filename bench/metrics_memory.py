@@ -29,7 +29,7 @@ import common as C
 from consumers.exporter import Exporter
 from consumers.versions import ANNOUNCE, POLICY_KEEP
 from schemas import MetricsEvent, WeightSync, encode
-from streamer.bus import FIELD
+from streamer.bus import FIELD, entry
 from streamer.config import RunConfig, replace
 
 GOAL = 0.10
@@ -96,7 +96,7 @@ def run(args, url: str) -> dict:
         events = step_events(step, args.groups)
         pipe = client.pipeline(transaction=False)
         for e in events:
-            pipe.xadd(keys.metrics, {FIELD: encode(e)})
+            pipe.xadd(keys.metrics, entry(e))
         sync = WeightSync(version=step, step=step, uri=f"file:///w/v{step:08d}", sha256="0" * 64)
         announce(keys=[keys.policy, keys.version], args=[FIELD, encode(sync), step, POLICY_KEEP], client=pipe)
         pipe.xlen(keys.metrics)

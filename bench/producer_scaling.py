@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from producers.fake_server import FakeCompletionsServer, canned  # noqa: E402
 from streamer.admission import Admission  # noqa: E402
-from streamer.bus import connect  # noqa: E402
 from streamer.config import write_toml  # noqa: E402
+from streamer.connection import connect  # noqa: E402
 from streamer.keys import Keys  # noqa: E402
 from streamer.server import EmbeddedServer  # noqa: E402
 

@@ -38,9 +38,10 @@ import torch  # noqa: E402
 from consumers import loss as L  # noqa: E402
 from consumers import trainer as T  # noqa: E402
 from consumers.learner import BETAS, Learner  # noqa: E402
-from schemas import MetricsEvent, Sample, TrajectoryGroup, decode, encode  # noqa: E402
-from streamer.bus import FIELD, connect  # noqa: E402
+from schemas import MetricsEvent, Sample, TrajectoryGroup  # noqa: E402
+from streamer.bus import entry, entry_event  # noqa: E402
 from streamer.config import RunConfig, replace  # noqa: E402
+from streamer.connection import connect  # noqa: E402
 from streamer.keys import Keys  # noqa: E402
 from streamer.server import EmbeddedServer  # noqa: E402
 
@@ -151,7 +152,7 @@ def paired_run(cfg: RunConfig, groups) -> tuple[list, list, list[MetricsEvent]]:
     keys = Keys(cfg.run.name)
     pipe = client.pipeline(transaction=False)
     for g in groups:
-        pipe.xadd(keys.traj, {FIELD: encode(g)})
+        pipe.xadd(keys.traj, entry(g))
     pipe.execute()
     learner = Learner(build_model(cfg.run.seed), cfg.trainer)
     trainer = T.Trainer(cfg, client, keys, learner, stop=threading.Event())
@@ -178,7 +179,7 @@ def paired_run(cfg: RunConfig, groups) -> tuple[list, list, list[MetricsEvent]]:
     assert trainer.run() == 0
     marks.append(now())  # after the final checkpoint and the last version's publication
     cycles = [(b[0] - a[0] - t[0], b[1] - a[1] - t[1]) for a, b, t in zip(marks, marks[1:], bare_times)]
-    events = [decode(f[FIELD], MetricsEvent) for _, f in client.xrange(keys.metrics)]
+    events = [entry_event(f, MetricsEvent) for _, f in client.xrange(keys.metrics)]
     return bare_times, cycles, events
 
 

@@ -64,8 +64,9 @@ from producers.samplers import Completion
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
 from streamer import demo, weights
 from streamer.admission import Admission
-from streamer.bus import FIELD, connect
+from streamer.bus import FIELD, entry_event
 from streamer.config import write_toml
+from streamer.connection import connect
 from streamer.keys import Keys
 
 GOAL = 1.5
@@ -343,7 +344,7 @@ def one_version(
     publisher.submit(published, version=version, step=version)
     publisher.drain()
     _, fields = client.xrevrange(keys.policy, count=1)[0]
-    sync = decode(fields[FIELD], WeightSync)
+    sync = entry_event(fields, WeightSync)
     assert sync.version == version, (sync.version, version)
     loads.wait(producers, version, procs)
     done = {p: loads.loaded[(p, version)] for p in producers}

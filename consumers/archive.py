@@ -30,8 +30,9 @@ from consumers.batch import advantages_of
 from consumers.filters import GroupFilter
 from schemas import TrajectoryGroup
 from streamer import lifecycle, models
-from streamer.bus import TRANSIENT, Consumer, Delivery, connect, retrying
+from streamer.bus import Consumer, Delivery
 from streamer.config import RunConfig
+from streamer.connection import TRANSIENT, connect, retrying
 from streamer.keys import ARCHIVE_GROUP, Keys
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,9 @@ from producers.follow import WeightFollower
 from producers.rewards import score
 from schemas import MetricsEvent, WeightSync
 from streamer import lifecycle, models, rollout_eval
-from streamer.bus import Publisher, connect, retrying
+from streamer.bus import Publisher
 from streamer.config import RunConfig
+from streamer.connection import connect, retrying
 from streamer.keys import Keys
 from streamer.rollout_types import Task, load_rollout
 

@@ -43,10 +43,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from consumers import saved_state
 from consumers.metrics_state import SERIES, Series, State, gauge
-from schemas import DecodeError, MetricsEvent, decode
+from schemas import MetricsEvent
 from streamer import lifecycle
-from streamer.bus import FIELD, TRANSIENT, Consumer, connect
+from streamer.bus import Consumer, scan
 from streamer.config import RunConfig
+from streamer.connection import TRANSIENT, connect
 from streamer.errors import ConfigError
 from streamer.keys import METRICS_GROUP, Keys
 from streamer.status import Snapshot, snapshot
@@ -101,19 +102,16 @@ class Exporter:
         state, after, applied, bad = State(), "-", 0, 0
         snap = saved_state.load(self.client, self.keys.metrics_snapshot)
         if snap is not None:
-            state, after = saved_state.restore(snap), f"({snap.last_id}"
+            state, after = saved_state.restore(snap), snap.last_id
             self._trim_to = snap.last_id
             log.info("restored the metrics state of %s (%d events)", snap.last_id, sum(snap.events.values()))
-        while rows := self.client.xrange(self.keys.metrics, min=after, count=REPLAY_CHUNK):
-            for raw_id, fields in rows:
-                entry_id = raw_id.decode()
-                try:
-                    event = decode(fields.get(FIELD, b""), MetricsEvent)
-                except DecodeError:
-                    bad += 1  # the group consumer dead-letters it when (or if) it reads it
-                    continue
+        for entry_id, event in scan(
+            self.client, self.keys.metrics, MetricsEvent, after=after, chunk=REPLAY_CHUNK
+        ):
+            if event is None:
+                bad += 1  # the group consumer dead-letters it when (or if) it reads it
+            else:
                 applied += state.apply(entry_id, event)
-            after = f"({rows[-1][0].decode()}"
         self.state = state
         self.consumer = Consumer(
             self.client,

@@ -1,25 +1,37 @@
-"""The trainer's feed: a background thread that turns the trajectory stream into batches.
+"""The trainer's feed: the trajectory stream in, fresh batches out, and every entry's
+bookkeeping between the two — the one file where the exactly-once rules live.
 
-It reads TrajectoryGroup entries through a :class:`streamer.bus.Consumer` (its own pending
-entries first, then claimed, then new ones), filters them, and collates the next
-``groups_per_step`` accepted groups into a :class:`Batch` while the current step trains, so
-the step loop only waits when the producers are behind.
+A background thread reads TrajectoryGroup entries through a :class:`streamer.bus.Consumer`
+(its own pending entries first, then claimed, then new ones), filters them, and collates the
+next ``groups_per_step`` accepted groups into a :class:`Batch` while the current step trains,
+so the step loop only waits when the producers are behind. The step loop sees three calls::
+
+    for ready in feed.batches(until=...):   # fresh at hand-off
+        train(ready.batch)
+        feed.trained(ready)                 # slots back; counts toward the next checkpoint
+        if checkpoint due: save(feed.covered()); feed.checkpointed(covered)
 
 Entry bookkeeping, which the exactly-once guarantee rests on:
 
-- an entry at or below the checkpoint's high-water id is already in the persisted model:
-  it is acknowledged, never trained again;
+- an entry at or below the restored checkpoint's high-water id is already in the persisted
+  model: it is acknowledged, never trained again (pending ones when the feed starts, and
+  any delivered later);
 - a rejected entry is acknowledged in the same script as the release of its admission slot
-  (:meth:`Admission.release`); a dead-lettered one gives its slot back right after its
+  (:meth:`Admission.reject`); a dead-lettered one gives its slot back right after its
   dead letter is written (the consumer's ``on_gone``; a crash in between is repaired by
-  :meth:`Admission.reconcile` when the trainer starts);
+  :meth:`Admission.reconcile` when the feed starts);
+- a batch is handed over only if every group in it is still within the staleness window
+  of the current version (the version moves while a batch waits): a group gone stale is
+  rejected there, and the rest of its batch is given back;
 - accepted entries are trained in stream-id order (the buffer is kept sorted, and groups
   handed back dissolve the batch built ahead), so every entry not yet trained is above the
   high-water id of what was: acknowledging "at or below high-water" after a crash is exact;
+- a trained entry stays pending until a checkpoint covers it (:meth:`checkpointed`), so a
+  crash before that trains it again into the restored model;
 - an accepted entry is *owned* (buffered, ready, or trained and waiting for a checkpoint)
-  until the trainer acknowledges it. Owned entries are re-claimed to this consumer now and
-  then (XCLAIM JUSTID: resets their idle time without counting a delivery), so no other
-  consumer's XAUTOCLAIM takes them, and a re-delivery of one is ignored.
+  until it is acknowledged. Owned entries are touched now and then (XCLAIM JUSTID: resets
+  their idle time without counting a delivery), so no other consumer's XAUTOCLAIM takes
+  them, and a re-delivery of one is ignored.
 """
 
 from __future__ import annotations
@@ -28,14 +40,19 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import redis
 
 from consumers.batch import Batch
 from consumers.filters import GroupFilter
 from schemas import TrajectoryGroup
 from streamer.admission import Admission
-from streamer.bus import Consumer, Delivery, retrying, trim_acked
+from streamer.bus import Consumer, Delivery, id_le, parse_id, trim_acked
+from streamer.config import BusSection
+from streamer.connection import retrying
+from streamer.keys import TRAINER_GROUP, Keys
 
 log = logging.getLogger(__name__)
 
@@ -50,39 +67,58 @@ class Ready:
     groups: list[TrajectoryGroup]
     entry_ids: list[str]
     built_at: float = field(default_factory=time.monotonic)
+    waited: float = 0.0  # seconds the step loop waited for it
 
 
-def parse_id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
+@dataclass(frozen=True)
+class Covered:
+    """What a checkpoint taken now covers: the entries trained since the last one."""
 
-
-def id_le(a: str, b: str) -> bool:
-    return parse_id(a) <= parse_id(b)
+    high_water: str  # the newest entry id trained into the model
+    entry_ids: list[str]
+    group_ids: list[str]
 
 
 class Feeder:
     def __init__(
         self,
-        consumer: Consumer[TrajectoryGroup],
+        client: redis.Redis,
+        keys: Keys,
         *,
+        name: str,
+        bus: BusSection,
         admission: Admission,
         group_filter: GroupFilter,
         groups_per_step: int,
         collate: Callable[[list[TrajectoryGroup]], Batch],
         version: Callable[[], int],
+        validate: Callable[[TrajectoryGroup], str | None] | None = None,
         high_water: str = "0-0",
         pin_memory: bool = False,
         block_seconds: float = 0.5,
         staleness: Callable[[TrajectoryGroup], int] | None = None,
         trim_lag: dict[str, int] | None = None,
     ):
-        self.consumer, self.admission, self.filter = consumer, admission, group_filter
+        self.consumer = Consumer(
+            client,
+            keys,
+            keys.traj,
+            TRAINER_GROUP,
+            name,
+            as_type=TrajectoryGroup,
+            cfg=bus,
+            validate=validate,
+            on_gone=lambda ids: retrying(lambda: admission.release(ids), what="releasing admission slots"),
+        )
+        self.admission, self.filter = admission, group_filter
         self.groups_per_step, self.collate, self.version = groups_per_step, collate, version
-        self.high_water, self.pin_memory, self.block_seconds = high_water, pin_memory, block_seconds
-        self.touch_every = consumer.cfg.claim_idle_seconds / 4
+        self.pin_memory, self.block_seconds = pin_memory, block_seconds
+        self.restored_high_water = high_water  # the restored checkpoint's: entries up to it are in the model
+        self.high_water = high_water  # the newest entry trained
+        self.touch_every = bus.claim_idle_seconds / 4
         self.staleness = staleness  # group -> trainer steps from the current weights (lineage)
         self.trim_lag = trim_lag  # groups that may hold trimming back by at most so many entries
+        self._trained: list[tuple[str, str]] = []  # (entry id, group id) since the last checkpoint
         self._buffer: collections.deque[tuple[str, TrajectoryGroup]] = collections.deque()
         self._ready: Ready | None = None
         self._generation = 0  # bumped when groups are handed back: a batch being built is void
@@ -98,6 +134,12 @@ class Feeder:
     # ------------------------------------------------------------ the step loop's side
 
     def start(self) -> Feeder:
+        """Settle what a crash left (pending entries the checkpoint covers, admission slots of
+        entries that are gone), then start reading."""
+        if self.restored_high_water != "0-0" and (n := self.consumer.ack_pending(self.restored_high_water)):
+            log.info("acknowledged %d pending entries the checkpoint already covers", n)
+        in_flight = self.admission.reconcile(TRAINER_GROUP)  # slots of what is gone come back
+        log.info("admission: %d groups in flight", in_flight)
         self._thread.start()
         return self
 
@@ -109,6 +151,28 @@ class Feeder:
         if self._thread.is_alive():
             log.warning("feed thread did not stop within %.0fs", timeout)
 
+    def batches(self, until: Callable[[], bool]) -> Iterator[Ready]:
+        """Batches whose every group is within the staleness window at hand-off, until
+        ``until()``. A group that went stale while its batch waited (the version moved on)
+        is rejected, and the rest of the batch goes back to be batched again first."""
+        start = time.monotonic()
+        while not until():
+            ready = self.next(timeout=0.25)
+            if ready is None:
+                continue
+            entries = list(zip(ready.entry_ids, ready.groups))
+            version = self.version()
+            stale = {
+                i for i, g in entries if self.filter.is_stale(g, version=version, staleness=self.staleness)
+            }
+            if stale:
+                self.reject([(i, "stale") for i in stale])
+                self.give_back([e for e in entries if e[0] not in stale])
+                continue
+            ready.waited = time.monotonic() - start
+            yield ready
+            start = time.monotonic()
+
     def next(self, timeout: float) -> Ready | None:
         """The next collated batch, or None after ``timeout``; re-raises the thread's error."""
         with self._cond:
@@ -118,6 +182,44 @@ class Feeder:
             ready, self._ready = self._ready, None
             self._cond.notify_all()
             return ready
+
+    def trained(self, ready: Ready) -> None:
+        """A step trained ``ready``: its slots come back (it no longer counts against the
+        staleness window) and its entries wait, pending, for a checkpoint to cover them."""
+        self._trained.extend((e, g.group_id) for e, g in zip(ready.entry_ids, ready.groups))
+        self.high_water = max([self.high_water, *ready.entry_ids], key=parse_id)
+        retrying(
+            lambda: self.admission.release(ready.entry_ids, trained=True), what="releasing admission slots"
+        )
+
+    @property
+    def uncovered(self) -> int:
+        """Entries trained since the last checkpoint."""
+        return len(self._trained)
+
+    def covered(self) -> Covered:
+        """What a checkpoint taken now covers."""
+        return Covered(self.high_water, [e for e, _ in self._trained], [g for _, g in self._trained])
+
+    def checkpointed(self, covered: Covered, *, give_up_after: float | None = None) -> None:
+        """A checkpoint covering ``covered`` is on disk: acknowledge its entries, trim."""
+        done = set(covered.entry_ids)
+        self._trained = [t for t in self._trained if t[0] not in done]
+        if not done:
+            return
+        retrying(
+            lambda: self.consumer.ack(covered.entry_ids),
+            what="acknowledging trained entries",
+            give_up_after=give_up_after,
+        )
+        with self._cond:
+            self._owned.difference_update(done)
+        c = self.consumer
+        retrying(
+            lambda: trim_acked(c.client, c.stream, max_lag=self.trim_lag),
+            what="trimming trajectories",
+            give_up_after=give_up_after,
+        )
 
     def give_back(self, entries: list[tuple[str, TrajectoryGroup]]) -> None:
         """Return accepted groups to the queue, to be batched again before anything newer."""
@@ -130,22 +232,24 @@ class Feeder:
             self._cond.notify_all()
 
     def reject(self, rejected: list[tuple[str, str]]) -> None:
-        """Acknowledge (entry id, reason) pairs and release their admission slots, atomically."""
+        """Acknowledge (entry id, reason) pairs, count the reasons and release their
+        admission slots, atomically."""
         if not rejected:
             return
-        ids = [entry_id for entry_id, _ in rejected]
         group = self.consumer.group  # only slots these groups hold, each once
-        retrying(lambda: self.admission.release(ids, ack_group=group), what="rejecting groups")
-        pipe = self.consumer.client.pipeline(transaction=False)
-        for reason, n in collections.Counter(reason for _, reason in rejected).items():
-            pipe.hincrby(self.consumer.keys.rejected_since_step, reason, n)  # for `streamer status`
-        retrying(pipe.execute, what="counting rejections")
+        retrying(lambda: self.admission.reject(rejected, group=group), what="rejecting groups")
         self._untrimmed = True
         with self._cond:
             self._rejected.update(reason for _, reason in rejected)
-            self._owned.difference_update(ids)
+            self._owned.difference_update(entry_id for entry_id, _ in rejected)
         for entry_id, reason in rejected:
             log.debug("rejected %s: %s", entry_id, reason)
+
+    def take_rejections(self) -> dict[str, int]:
+        """Rejections by reason since the last call."""
+        with self._cond:
+            out, self._rejected = dict(self._rejected), collections.Counter()
+            return out
 
     def _trim_rejected(self) -> None:
         """Rejected groups changed no weights, so no checkpoint has to cover them: trim them
@@ -160,17 +264,6 @@ class Feeder:
             lambda: trim_acked(c.client, c.stream, max_lag=self.trim_lag),
             what="trimming rejected trajectories",
         )
-
-    def acked(self, entry_ids: list[str]) -> None:
-        """The trainer acknowledged these (a checkpoint covers them): no longer owned."""
-        with self._cond:
-            self._owned.difference_update(entry_ids)
-
-    def take_rejections(self) -> dict[str, int]:
-        """Rejections by reason since the last call."""
-        with self._cond:
-            out, self._rejected = dict(self._rejected), collections.Counter()
-            return out
 
     # ------------------------------------------------------------ the thread
 
@@ -229,7 +322,7 @@ class Feeder:
         )
         covered, rejected, accepted = [], [], []
         for d in deliveries:
-            if id_le(d.id, self.high_water):
+            if id_le(d.id, self.restored_high_water):
                 covered.append(d.id)
             elif not self._is_owned(d.id):
                 self._judge(d, rejected, accepted)
@@ -260,8 +353,4 @@ class Feeder:
         with self._cond:
             owned = list(self._owned)
         if owned:
-            c = self.consumer
-            retrying(
-                lambda: c.client.xclaim(c.stream, c.group, c.name, 0, owned, justid=True),
-                what="refreshing owned entries",
-            )
+            retrying(lambda: self.consumer.touch(owned), what="refreshing owned entries")

@@ -109,8 +109,11 @@ class GroupFilter:
             max_seq_len=cfg.max_seq_len,
         )
 
+    def is_stale(self, group: TrajectoryGroup, *, version: int, staleness: Callable | None = None) -> bool:
+        return is_stale(group, version=version, max_staleness=self.max_staleness, staleness=staleness)
+
     def __call__(self, group: TrajectoryGroup, *, version: int, staleness: Callable | None = None) -> Verdict:
-        if is_stale(group, version=version, max_staleness=self.max_staleness, staleness=staleness):
+        if self.is_stale(group, version=version, staleness=staleness):
             return Verdict(None, "stale")
         if self.max_seq_len and any(s.num_tokens > self.max_seq_len for s in group.samples):
             return Verdict(None, "too_long")

@@ -21,6 +21,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from consumers.history import History
 from schemas import MetricsEvent
 from schemas.metric_names import AXES
+from streamer.bus import parse_id
 from streamer.status import Snapshot
 
 log = logging.getLogger(__name__)
@@ -81,11 +82,6 @@ SERIES: dict[str, Series] = {**EVENT_SERIES, **HEALTH_SERIES}
 """Every series name the exporter can serve (sample names, counters with ``_total``)."""
 
 
-def _parse_id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 def sanitise(name: str) -> str:
     """A metric name fragment made of [a-z0-9_], no leading/trailing/double underscores."""
     return re.sub(r"_+", "_", re.sub(r"[^a-z0-9_]", "_", name.lower())).strip("_")
@@ -137,7 +133,7 @@ class State:
 
     def apply(self, entry_id: str, event: MetricsEvent) -> bool:
         """Fold one event in; False (and no change) for an id already applied."""
-        pid = _parse_id(entry_id)
+        pid = parse_id(entry_id)
         with self.lock:
             if pid <= self.last_id:
                 return False

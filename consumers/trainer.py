@@ -2,15 +2,16 @@
 
 Start: load the newest valid checkpoint (if any), publish its weights as a new policy
 version (one past the newest on the policy stream: a version number is never reused),
-publish the staleness limits for admission, acknowledge pending entries the checkpoint
-already covers, and start the feed thread. Then, per step:
+publish the staleness limits for admission, and start the feed (consumers/feed.py, which
+owns every trajectory entry's bookkeeping). Then, per step:
 
-    batch  = next groups_per_step accepted groups (collated while the last step ran)
-    learner.train_step(batch)                       # consumers/learner.py
+    ready = the next batch, fresh at hand-off (collated while the last step ran)
+    learner.train_step(ready.batch)                 # consumers/learner.py
+    feed.trained(ready)                             # admission slots back
     version += 1; snapshot the weights for the version writer, which writes them and
         XADDs the WeightSync + SETs the version key in one MULTI (consumers/versions.py)
     every checkpoint_every steps (sooner when the trained but unacknowledged entries near
-        half of bus.max_unacked): checkpoint, then XACK what it covers, trim the stream
+        half of bus.max_unacked): checkpoint, then the feed XACKs what it covers and trims
     publish the step's train metrics
 
 SIGTERM/SIGINT: the current step finishes, a final checkpoint covers what was trained,
@@ -35,19 +36,20 @@ import torch
 from consumers import advantages, checkpoint, distributed
 from consumers.batch import collator
 from consumers.distributed import DataParallel
-from consumers.feed import Feeder, Ready, parse_id
-from consumers.filters import GroupFilter, is_stale, unusable
+from consumers.feed import Feeder, Ready
+from consumers.filters import GroupFilter, unusable
 from consumers.learner import Learner
 from consumers.lineage import Lineage
 from consumers.versions import VersionPublisher
-from schemas import DecodeError, MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
+from schemas import MetricsEvent, WeightSync
 from schemas.metric_names import REJECT_REASONS
 from streamer import lifecycle, lora, models, rundir, weights
 from streamer.admission import Admission
-from streamer.bus import FIELD, Consumer, Tail, connect, retrying, trim_acked
+from streamer.bus import Tail, entry, scan
 from streamer.config import RunConfig
+from streamer.connection import connect, retrying
 from streamer.errors import StreamerError
-from streamer.keys import ARCHIVE_GROUP, TRAINER_GROUP, Keys
+from streamer.keys import ARCHIVE_GROUP, Keys
 from streamer.values import parse_int
 
 log = logging.getLogger(__name__)
@@ -84,9 +86,8 @@ class Trainer:
         self.version = 0
         self.parent: str | None = None  # the newest checkpoint
         self.checkpointed_version = -1
-        self.high_water = "0-0"  # newest entry id trained into the model
-        self.trained: list[tuple[str, str]] = []  # (entry id, group id) since the last checkpoint
-        self.feeder: Feeder | None = None
+        self.high_water = "0-0"  # the restored checkpoint's newest entry id trained into the model
+        self.feed: Feeder | None = None
         self.lineage = Lineage()  # staleness along the version tree (consumers/lineage.py)
         self.give_up_after: float | None = None  # server outage allowed to outputs; None = wait
         self.versions = VersionPublisher(
@@ -115,30 +116,17 @@ class Trainer:
         tc = self.trainer_cfg
         self.admission.publish_limits(max_staleness=tc.max_staleness, groups_per_step=tc.groups_per_step)
         vocab = self.learner.model.get_input_embeddings().num_embeddings
-        consumer = Consumer(
+        self.feed = Feeder(
             self.client,
             self.keys,
-            self.keys.traj,
-            TRAINER_GROUP,
-            self.name,
-            as_type=TrajectoryGroup,
-            cfg=self.cfg.bus,
-            validate=partial(unusable, vocab_size=vocab),
-            on_gone=lambda ids: retrying(
-                lambda: self.admission.release(ids), what="releasing admission slots"
-            ),
-        )
-        self._ack_covered_pending()
-        in_flight = self.admission.reconcile(TRAINER_GROUP)  # slots of what is gone come back
-        log.info("admission: %d groups in flight", in_flight)
-        tc = self.trainer_cfg
-        self.feeder = Feeder(
-            consumer,
+            name=self.name,
+            bus=self.cfg.bus,
             admission=self.admission,
             group_filter=self.group_filter,
             groups_per_step=tc.groups_per_step,
             collate=collator(tc),
             version=lambda: self.version,
+            validate=partial(unusable, vocab_size=vocab),
             staleness=self.lineage.staleness,
             trim_lag={ARCHIVE_GROUP: self.cfg.archive.max_lag},
             high_water=self.high_water,
@@ -173,11 +161,11 @@ class Trainer:
 
     def _policy_history(self) -> list[WeightSync]:
         syncs = []
-        for entry_id, fields in self.client.xrange(self.keys.policy):
-            try:
-                syncs.append(decode(fields.get(FIELD, b""), WeightSync))
-            except DecodeError:
+        for entry_id, sync in scan(self.client, self.keys.policy, WeightSync):
+            if sync is None:
                 log.warning("%s %s does not decode; left out of the lineage", self.keys.policy, entry_id)
+            else:
+                syncs.append(sync)
         return syncs
 
     def _check_server_state(self) -> None:
@@ -206,39 +194,23 @@ class Trainer:
         """``running`` / ``stopped`` in the run marker, for `streamer status`."""
         self.client.hset(self.keys.run_marker, "trainer", state)
 
-    def _ack_covered_pending(self) -> None:
-        """Pending entries the checkpoint covers (a crash between checkpoint and XACK)."""
-        if self.high_water == "0-0":
-            return
-        rows = self.client.xpending_range(
-            self.keys.traj,
-            TRAINER_GROUP,
-            min="-",
-            max=self.high_water,
-            count=1_000_000,
-            consumername=self.name,
-        )
-        ids = [r["message_id"] for r in rows]
-        if ids:
-            self.client.xack(self.keys.traj, TRAINER_GROUP, *ids)
-            log.info("acknowledged %d pending entries the checkpoint already covers", len(ids))
-
     # ------------------------------------------------------------ the loop
 
     def run(self) -> int:
         try:
             retrying(self.start, what="starting the trainer")  # a restart mid-start: again, a new version
             try:
-                self._loop()
+                for ready in self.feed.batches(until=lambda: self.stop.is_set() or self._done()):
+                    self._step(ready)
             finally:
-                if self.feeder is not None:
-                    self.feeder.stop()
+                if self.feed is not None:
+                    self.feed.stop()
                 if self.dp:
                     self.dp.send_stop()
             # stopping: a server that went away with us (our supervisor died) is not waited
             # for forever; the checkpoint on disk is the resume point whether acks land or not
             self.versions.give_up_after = self.give_up_after = STOP_SERVER_WAIT
-            if self.trained:
+            if self.feed.uncovered:
                 self.checkpoint()
             self.versions.close()
             retrying(lambda: self._state("stopped"), what="marking the run", give_up_after=self.give_up_after)
@@ -248,54 +220,24 @@ class Trainer:
         log.info("stopped at step %d, version %d", self.step, self.version)
         return 0
 
-    def _loop(self) -> None:
-        while not self.stop.is_set() and not self._done():
-            ready, waited = self._next_batch()
-            if ready is None:
-                return
-            self._train(ready, waited)
-
     def _done(self) -> bool:
         return self.trainer_cfg.steps > 0 and self.step >= self.trainer_cfg.steps
 
-    def _next_batch(self) -> tuple[Ready | None, float]:
-        """The next batch of groups still within the staleness window (None once stopped)."""
-        start = time.monotonic()
-        while not self.stop.is_set():
-            ready = self.feeder.next(timeout=0.25)
-            if ready is None:
-                continue
-            entries = list(zip(ready.entry_ids, ready.groups))
-            window = self.trainer_cfg.max_staleness
-            stale = {
-                i
-                for i, g in entries
-                if is_stale(g, version=self.version, max_staleness=window, staleness=self.lineage.staleness)
-            }
-            if not stale:
-                return ready, time.monotonic() - start
-            self.feeder.reject([(i, "stale") for i in stale])  # the version moved on while it waited
-            self.feeder.give_back([e for e in entries if e[0] not in stale])
-        return None, time.monotonic() - start
-
-    def _train(self, ready: Ready, waited: float) -> None:
+    def _step(self, ready: Ready) -> None:
+        """Train one batch, publish the next version, checkpoint when due, report."""
         lags = [self.lineage.staleness(g) for g in ready.groups]
         t0 = time.monotonic()
         if self.dp:
             self.dp.send_batch(ready.batch)
         stats = self.learner.train_step(ready.batch)
         step_seconds = time.monotonic() - t0
-        self.trained.extend((e, g.group_id) for e, g in zip(ready.entry_ids, ready.groups))
-        self.high_water = max([self.high_water, *ready.entry_ids], key=parse_id)
+        self.feed.trained(ready)
         self.version += 1
         self.lineage.add(self.version, self.step)
-        # trained: these groups no longer count against the staleness window
-        retrying(lambda: self.admission.release(ready.entry_ids), what="releasing admission slots")
-        retrying(lambda: self.client.delete(self.keys.rejected_since_step), what="resetting rejections")
         blocked = self.versions.submit(self.learner.publishable, version=self.version, step=self.step)
         # Trained entries stay unacknowledged until a checkpoint covers them, and producers
         # wait while bus.max_unacked entries are: checkpoint early rather than deadlock.
-        early = len(self.trained) + self.trainer_cfg.groups_per_step > self.cfg.bus.max_unacked // 2
+        early = self.feed.uncovered + self.trainer_cfg.groups_per_step > self.cfg.bus.max_unacked // 2
         if self.step % self.trainer_cfg.checkpoint_every == 0 or early:
             self.checkpoint()
         rewards = [r for g in ready.groups for r in g.rewards().tolist()]
@@ -304,7 +246,7 @@ class Trainer:
             **stats,
             "tokens_per_second": stats["tokens"] / max(step_seconds, 1e-9),
             "step_seconds": step_seconds,
-            "data_wait_seconds": waited,
+            "data_wait_seconds": ready.waited,
             "staleness_mean": sum(lags) / len(lags),
             "staleness_max": float(max(lags)),
             "reward_mean": sum(rewards) / len(rewards),
@@ -314,7 +256,7 @@ class Trainer:
             "weight_sync_seconds": self.versions.last_seconds,
             "groups_accepted": float(len(ready.groups)),
         }
-        rejected = self.feeder.take_rejections()
+        rejected = self.feed.take_rejections()
         values.update({f"groups_rejected_{r}": float(rejected.get(r, 0)) for r in REJECT_REASONS})
         self._publish_metrics(values)
         log.info(
@@ -327,7 +269,7 @@ class Trainer:
             values["staleness_mean"],
             sum(rejected.values()),
             step_seconds,
-            waited,
+            ready.waited,
             self.versions.last_seconds,
             blocked,
         )
@@ -336,13 +278,12 @@ class Trainer:
 
     def _publish_metrics(self, values: dict[str, float]) -> None:
         event = MetricsEvent(axis="train", step=self.step, values=values, source="trainer")
-        data = {FIELD: encode(event)}
-        retrying(lambda: self.client.xadd(self.keys.metrics, data), what="publishing metrics")
+        retrying(lambda: self.client.xadd(self.keys.metrics, entry(event)), what="publishing metrics")
 
     def checkpoint(self) -> None:
         """Persist what was trained, then acknowledge the entries it covers."""
         self.versions.drain()  # its version is published before a checkpoint names it
-        entry_ids = [e for e, _ in self.trained]
+        covered = self.feed.covered()
         meta = checkpoint.save(
             self.cfg.checkpoint_dir,
             model=self.learner.publishable,
@@ -350,22 +291,15 @@ class Trainer:
             step=self.step,
             version=self.version,
             parent=self.parent,
-            high_water=self.high_water,
-            group_ids=[g for _, g in self.trained],
-            entry_ids=entry_ids,
+            high_water=covered.high_water,
+            group_ids=covered.group_ids,
+            entry_ids=covered.entry_ids,
         )
-        self.parent, self.checkpointed_version, self.trained = meta.name, meta.version, []
-        if entry_ids:
-            ack = lambda: self.client.xack(self.keys.traj, TRAINER_GROUP, *entry_ids)  # noqa: E731
-            retrying(ack, what="acknowledging trained entries", give_up_after=self.give_up_after)
-            self.feeder.acked(entry_ids)
-            retrying(
-                lambda: trim_acked(self.client, self.keys.traj, max_lag=self.feeder.trim_lag),
-                what="trimming trajectories",
-                give_up_after=self.give_up_after,
-            )
+        self.parent, self.checkpointed_version = meta.name, meta.version
+        self.feed.checkpointed(covered, give_up_after=self.give_up_after)
         checkpoint.prune(self.cfg.checkpoint_dir, self.trainer_cfg.keep_checkpoints)
-        log.info("checkpoint %s covers %d groups (high-water %s)", meta.name, len(entry_ids), meta.high_water)
+        n = len(covered.entry_ids)
+        log.info("checkpoint %s covers %d groups (high-water %s)", meta.name, n, meta.high_water)
 
 
 # ---------------------------------------------------------------- the process

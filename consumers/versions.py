@@ -24,7 +24,8 @@ import torch
 
 from schemas import WeightSync, encode
 from streamer import weights
-from streamer.bus import FIELD, retrying
+from streamer.bus import FIELD
+from streamer.connection import retrying
 from streamer.errors import StreamerError
 from streamer.keys import Keys
 

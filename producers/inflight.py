@@ -12,7 +12,7 @@
 - :func:`blocking`: run a blocking call (Redis, a local model, httpx) in a worker thread;
   cancelling the caller (a rollout timeout) abandons the thread's result instead of
   waiting for it.
-- :func:`retrying`: the async twin of ``streamer.bus.retrying`` for server outages.
+- :func:`retrying`: the async twin of ``streamer.connection.retrying`` for server outages.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-from streamer.bus import TRANSIENT
+from streamer.connection import TRANSIENT
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,9 @@ from schemas import MetricsEvent, TrajectoryGroup, encode
 from streamer import lifecycle
 from streamer.admission import EXHAUSTED, WAIT, Admission, LeaseLost, Leases
 from streamer.batching import MicroBatcher
-from streamer.bus import Publisher, connect, unacked
+from streamer.bus import Publisher, unacked
 from streamer.config import RunConfig
+from streamer.connection import connect
 from streamer.errors import StreamerError
 from streamer.keys import Keys
 from streamer.rollout_types import Completion, Episode, RolloutContext, Task

@@ -36,9 +36,10 @@ Every slot has an owner, and the counter moves only when an owner set changes:
   ticket (``SADD`` == 1 then ``INCR``), given back when the lease ends unpublished;
 - a published group: ``…:held_slots`` (trajectory entry id) — the slot moves there from the
   ticket in the script that publishes it (:meth:`Leases.publish`);
-- :meth:`Admission.release` gives back the slots of entries the trainer trained, rejected
-  or dead-lettered: ``SREM`` == 1 then ``DECR``, so a repeat, or an entry that never held a
-  slot (published by hand, a fuzzer), changes nothing. The counter cannot go negative.
+- :meth:`Admission.release` (:meth:`Admission.reject`) gives back the slots of entries the
+  trainer trained, rejected or dead-lettered: ``SREM`` == 1 then ``DECR``, so a repeat, or
+  an entry that never held a slot (published by hand, a fuzzer), changes nothing. The
+  counter cannot go negative.
 
 :meth:`Admission.reconcile` (trainer start) drops owners whose entries are gone or already
 acknowledged and sets the counter to the owners' count, which also repairs a run whose
@@ -57,8 +58,8 @@ tag, so each script runs on one node of a cluster):
     _RECONCILE  .      .      .     .       R           W (SET)  W          .        R
 
 (``attempts`` is ``row_attempts`` and ``row_errors``; ``_CLAIM`` also writes ``skipped_rows``;
-``_ADMIT`` reads ``limits``.) The one Python twin
-of the admission rule is :func:`admission_limit`, which `streamer status` uses.
+``_ADMIT`` reads ``limits``; ``_RELEASE`` counts rejections in ``rejected_since_step``.) The
+one Python twin of the admission rule is :func:`admission_limit`, which `streamer status` uses.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from collections.abc import Callable, Iterable
 
 import redis
 
-from streamer.bus import FIELD
+from streamer.bus import FIELD, as_str
 from streamer.errors import LeaseLost
 from streamer.keys import Keys
 from streamer.values import DataError
@@ -190,13 +191,16 @@ end
 return 0
 """
 
-# KEYS: held admitted traj ; ARGV: group ('' = no ack) entry ids. Returns the slots given back.
-# With a group the entries are acknowledged by it in the same script: a script, not a MULTI
-# with EVALSHA in it, because a cluster client refuses scripts inside a pipeline.
+# KEYS: held admitted traj rejected ; ARGV: group ('' = no ack), trained ('1': clear the
+# rejection counts), then (entry id, reason ('' = not rejected)) pairs. Returns the slots given
+# back. With a group the entries are acknowledged by it in the same script: a script, not a
+# MULTI with EVALSHA in it, because a cluster client refuses scripts inside a pipeline.
 _RELEASE = """
 local n = 0
-for i = 2, #ARGV do
+if ARGV[2] == '1' then redis.call('DEL', KEYS[4]) end
+for i = 3, #ARGV, 2 do
   if ARGV[1] ~= '' then redis.call('XACK', KEYS[3], ARGV[1], ARGV[i]) end
+  if ARGV[i + 1] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[i + 1], 1) end
   if redis.call('SREM', KEYS[1], ARGV[i]) == 1 then n = n + 1 end
 end
 if n > 0 then
@@ -280,15 +284,24 @@ class Admission:
             delay = min(delay * 1.5, 0.5)
         return time.monotonic() - start
 
-    def release(self, entry_ids: Iterable[str], *, ack_group: str = "") -> int:
+    def release(self, entry_ids: Iterable[str], *, trained: bool = False) -> int:
         """Give back the slots these trajectory entries hold (each at most once, ever); with
-        ``ack_group``, acknowledge the entries for that consumer group atomically with it.
-        Idempotent, so a retry after a lost reply is safe. Returns the slots given back."""
-        ids = list(entry_ids)
-        if not ids:
+        ``trained`` (a step trained them), also clear the rejections counted since the last
+        step. Idempotent, so a retry after a lost reply is safe. Returns the slots given back."""
+        return self._release_script("", [(i, "") for i in entry_ids], trained=trained)
+
+    def reject(self, rejected: Iterable[tuple[str, str]], *, group: str) -> int:
+        """(entry id, reason) pairs: acknowledge each for ``group``, count its reason (for
+        `streamer status`) and give back its slot, atomically. A retry may count a reason
+        twice; the slots and acks stay exact."""
+        return self._release_script(group, list(rejected), trained=False)
+
+    def _release_script(self, group: str, pairs: list[tuple[str, str]], *, trained: bool) -> int:
+        if not pairs and not trained:
             return 0
-        keys = [self.keys.held_slots, self.keys.admitted, self.keys.traj]
-        return int(self._release(keys=keys, args=[ack_group, *ids]))
+        k = self.keys
+        args = [group, "1" if trained else "0", *(x for pair in pairs for x in pair)]
+        return int(self._release(keys=[k.held_slots, k.admitted, k.traj, k.rejected_since_step], args=args))
 
     def reconcile(self, group: str) -> int:
         """Drop slots of entries that are gone or acknowledged by ``group``; recount. In flight."""
@@ -365,7 +378,7 @@ class Leases:
             keys=[k.traj, k.leases, k.lease_owner, k.lease_slots, k.held_slots, k.row_attempts, k.row_errors],
             args=[ticket, self.owner, FIELD, payload],
         )
-        return None if entry is None else entry.decode() if isinstance(entry, bytes) else entry
+        return None if entry is None else as_str(entry)
 
     def finish(self, ticket: int) -> bool:
         """End the lease without publishing (the row is done for this epoch); frees its slot."""

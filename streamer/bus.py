@@ -1,6 +1,6 @@
-"""The Redis stream bus: connect, publish with backpressure, consume with groups.
+"""The Redis stream bus: the wire entry, publish with backpressure, consume with groups.
 
-Every event is one stream entry with a single field ``d`` holding its msgpack bytes.
+Connecting (and riding out outages) is :mod:`streamer.connection`. Every event is one stream entry with a single field ``d`` holding its msgpack bytes.
 Delivery is at-least-once; the exactly-once *effect* belongs to the consumers (the trainer
 acknowledges only what a checkpoint covers). Entries are trimmed only once every consumer
 group has acknowledged them, never by MAXLEN.
@@ -10,152 +10,65 @@ from __future__ import annotations
 
 import logging
 import time
-import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import msgspec
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
-from redis.cluster import RedisCluster
-from redis.retry import Retry
 
 from schemas import DeadLetter, DecodeError, decode, encode
 from schemas.events import Event
 from streamer.config import BusSection
-from streamer.errors import BackpressureTimeout, ConfigError, ServerError
+from streamer.connection import TRANSIENT
+from streamer.errors import BackpressureTimeout
 from streamer.keys import TRAINER_GROUP, Keys
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 FIELD = b"d"
-MIN_SERVER = (6, 2)  # XAUTOCLAIM
 DEAD_MAXLEN = 100_000  # the dead-letter stream is for people; keep it bounded
-TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
-# a cluster seed node: redis-py's cluster client discovers the rest (every key of a run is
-# hash-tagged onto one slot, see streamer.keys)
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 
-# ---------------------------------------------------------------- connecting
+# ---------------------------------------------------------------- entries and ids
 
 
-def redact(url: str, text: str | None = None) -> str:
-    """``text`` (default: the URL itself) with the URL's password replaced by ***, safe for logs.
-
-    Not by URL parsing alone: a password with ``#``, ``/`` or ``?`` in it makes the parser cut
-    the netloc short. The raw userinfo (between ``scheme://`` and the last ``@``) becomes
-    ``user:***``, and every other form of the password (as split from it, as parsed, and
-    percent-decoded) is removed wherever it occurs in ``text``.
-    """
-    text = url if text is None else text
-    scheme, sep, rest = url.partition("://")
-    userinfo = rest.rpartition("@")[0] if sep else ""
-    user, colon, password = userinfo.partition(":")
-    if not colon or not password:
-        return text
-    text = text.replace(userinfo, f"{user}:***")
-    forms = {password, urllib.parse.unquote(password)}
-    try:
-        if parsed := urllib.parse.urlsplit(url).password:
-            forms |= {parsed, urllib.parse.unquote(parsed)}
-    except ValueError:  # a netloc the parser rejects (e.g. a bad port): the forms above remain
-        pass
-    for secret in sorted(forms, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
+def entry(event: Event) -> dict[bytes, bytes]:
+    """The stream entry of an event: one field ``d`` holding its msgpack bytes."""
+    return {FIELD: encode(event)}
 
 
-def _encoding_hint(url: str) -> str:
-    userinfo = url.partition("://")[2].rpartition("@")[0]
-    if any(c in userinfo.partition(":")[2] for c in "#/?@"):
-        return "; a password with '#', '/', '?' or '@' must be percent-encoded (%23 %2F %3F %40)"
-    return ""
+def entry_event(fields: dict, as_type: type[T]) -> T:
+    """The event an entry's fields hold; :class:`DecodeError` if they hold none."""
+    return decode(fields.get(FIELD, b""), as_type)
 
 
-def connect(
-    url: str,
-    *,
-    socket_timeout: float = 10.0,
-    name: str | None = None,
-    check: bool = True,
-) -> redis.Redis:
-    """A client for ``url`` (redis://, rediss://, unix://, with user:password if any).
-
-    ``socket_timeout`` must exceed the longest BLOCK the caller uses. Transient errors are
-    retried a bounded number of times with jittered exponential backoff; longer outages
-    are the caller's to wait out (see :func:`retrying`). With ``check``, the server is
-    pinged and its version checked, raising :class:`ServerError` with one clear line.
-    """
-    parts = urllib.parse.urlsplit(url)
-    cluster = parts.scheme in CLUSTER_SCHEMES
-    if parts.scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
-        raise ConfigError(
-            redact(
-                url,
-                f"redis URL {url!r}: scheme must be redis://, rediss://, unix:// "
-                "or redis+cluster:// (rediss+cluster://)",
-            )
-        )
-    if parts.scheme != "unix" and not parts.hostname:
-        raise ConfigError(redact(url, f"redis URL {url!r} has no host{_encoding_hint(url)}"))
-    if parts.scheme == "unix" and not parts.path:
-        raise ConfigError(redact(url, f"redis URL {url!r} has no socket path"))
-    try:
-        client = (RedisCluster if cluster else redis.Redis).from_url(
-            url.replace("+cluster://", "://", 1) if cluster else url,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=min(5.0, socket_timeout),
-            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3),
-            retry_on_error=list(TRANSIENT),
-            health_check_interval=30,
-            client_name=name,
-            protocol=2,  # RESP2 on every redis-py version and server (the shapes we parse)
-        )
-    except ValueError as e:
-        why = _encoding_hint(url) or f": {e}"  # the parser's message may quote a piece of the password
-        raise ConfigError(redact(url, f"redis URL {url!r} cannot be used{why}")) from None
-    if check:
-        check_server(client, url)
-    return client
+def scan(client: redis.Redis, stream: str, as_type: type[T], *, after: str = "-", chunk: int = 1000):
+    """(entry id, event) for every entry after ``after`` (exclusive; "-": from the start),
+    oldest first, read in chunks; an entry that does not decode comes with None."""
+    start = after if after == "-" else f"({after}"
+    while rows := client.xrange(stream, min=start, count=chunk):
+        for raw_id, fields in rows:
+            try:
+                yield as_str(raw_id), entry_event(fields, as_type)
+            except DecodeError:
+                yield as_str(raw_id), None
+        start = f"({as_str(rows[-1][0])}"
 
 
-def check_server(client: redis.Redis, url: str) -> tuple[int, ...]:
-    try:
-        info = client.info("server")
-    except redis.exceptions.AuthenticationError as e:
-        raise ServerError(redact(url, f"{url}: authentication failed ({e})")) from None
-    except redis.exceptions.ResponseError as e:
-        raise ServerError(redact(url, f"{url}: {e}")) from None
-    except TRANSIENT as e:
-        raise ServerError(redact(url, f"cannot reach the server at {url}: {e}")) from None
-    raw = str(info.get("valkey_version") or info.get("redis_version") or "0")
-    version = tuple(int(p) for p in raw.split(".")[:3] if p.isdigit())
-    # valkey reports redis_version 7.2.4 for compatibility; either way it must be >= 6.2
-    if version[:2] < MIN_SERVER:
-        raise ServerError(
-            redact(url, f"server at {url} is version {raw}; streamer needs >= 6.2 (XAUTOCLAIM)")
-        )
-    return version
+def as_str(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def retrying(fn: Callable[[], T], *, what: str, give_up_after: float | None = None) -> T:
-    """Call ``fn`` until the server answers, backing off to 5 s, logging each failure.
+def parse_id(entry_id: str) -> tuple[int, int]:
+    """A stream id as (milliseconds, sequence), to compare ids in order."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
-    For outages longer than the client's own few retries (a server restart).
-    """
-    delay, start = 0.1, time.monotonic()
-    while True:
-        try:
-            return fn()
-        except TRANSIENT as e:
-            if give_up_after is not None and time.monotonic() - start > give_up_after:
-                raise ServerError(f"{what}: server unavailable for {give_up_after:.0f}s: {e}") from e
-            log.warning("%s: server unavailable (%s); retrying in %.1fs", what, e, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+
+def id_le(a: str, b: str) -> bool:
+    return parse_id(a) <= parse_id(b)
 
 
 # ---------------------------------------------------------------- publishing
@@ -168,10 +81,10 @@ def unacked(client: redis.Redis, stream: str, group: str = TRAINER_GROUP) -> int
     except redis.exceptions.ResponseError:  # no such stream yet
         return 0
     for g in groups:
-        if _s(g["name"]) == group:
+        if as_str(g["name"]) == group:
             lag = g.get("lag")
             if lag is None:  # unknown after some deletions: count what follows last-delivered
-                lag = len(client.xrange(stream, min=f"({_s(g['last-delivered-id'])}", count=100_000))
+                lag = len(client.xrange(stream, min=f"({as_str(g['last-delivered-id'])}", count=100_000))
             return int(g["pending"]) + int(lag)
     return int(client.xlen(stream))  # the group does not exist yet: nobody read anything
 
@@ -184,14 +97,14 @@ class Publisher:
         self.waited_seconds = 0.0  # total time spent in backpressure
 
     def publish(self, stream: str, event: Event) -> str:
-        return _s(self.client.xadd(stream, {FIELD: encode(event)}))
+        return as_str(self.client.xadd(stream, entry(event)))
 
     def publish_many(self, stream: str, events: Iterable[Event]) -> list[str]:
         """One round trip for several events (pipelined, not transactional)."""
         pipe = self.client.pipeline(transaction=False)
         for e in events:
-            pipe.xadd(stream, {FIELD: encode(e)})
-        return [_s(i) for i in pipe.execute()]
+            pipe.xadd(stream, entry(e))
+        return [as_str(i) for i in pipe.execute()]
 
     def wait_for_room(self, stop: Callable[[], bool] = lambda: False) -> float:
         """Block while the trainer group has more than ``max_unacked`` entries outstanding."""
@@ -300,11 +213,24 @@ class Consumer(Generic[T]):
         ids = list(ids)
         return int(self.client.xack(self.stream, self.group, *ids)) if ids else 0
 
+    def ack_pending(self, up_to: str) -> int:
+        """Acknowledge this consumer's pending entries with ids <= ``up_to``; how many."""
+        rows = self.client.xpending_range(
+            self.stream, self.group, min="-", max=up_to, count=1_000_000, consumername=self.name
+        )
+        return self.ack(as_str(r["message_id"]) for r in rows)
+
+    def touch(self, ids: list[str]) -> None:
+        """Reset the idle time of entries this consumer holds (XCLAIM JUSTID: no delivery is
+        counted), so no other consumer's claim takes them while they are being worked on."""
+        if ids:
+            self.client.xclaim(self.stream, self.group, self.name, 0, ids, justid=True)
+
     def _read_history(self, count: int) -> list:
         resp = self.client.xreadgroup(self.group, self.name, {self.stream: self._pending_cursor}, count=count)
         entries = resp[0][1] if resp else []
         if entries:
-            self._pending_cursor = _s(entries[-1][0])
+            self._pending_cursor = as_str(entries[-1][0])
         return entries
 
     def _claim(self, count: int) -> list:
@@ -314,7 +240,7 @@ class Consumer(Generic[T]):
         entries, deleted = reply[1], (reply[2] if len(reply) > 2 else [])
         if deleted:  # trimmed while pending: nothing to deliver; the claim already removed them
             log.warning("%s: %d claimed entries no longer exist", self.stream, len(deleted))
-            self._gone([_s(d) for d in deleted])
+            self._gone([as_str(d) for d in deleted])
         if entries:
             log.info("%s: claimed %d idle entries from other consumers", self.stream, len(entries))
         return entries
@@ -323,7 +249,7 @@ class Consumer(Generic[T]):
         counts = self._delivery_counts(entries) if history else {}
         out, dead = [], []
         for raw_id, fields in entries:
-            entry_id = _s(raw_id)
+            entry_id = as_str(raw_id)
             if not fields:  # deleted while pending (history read): nothing to deliver
                 self.ack([entry_id])
                 self._gone([entry_id])
@@ -353,11 +279,11 @@ class Consumer(Generic[T]):
             self.on_gone(entry_ids)
 
     def _delivery_counts(self, entries: list) -> dict[str, int]:
-        lo, hi = _s(entries[0][0]), _s(entries[-1][0])
+        lo, hi = as_str(entries[0][0]), as_str(entries[-1][0])
         rows = self.client.xpending_range(
             self.stream, self.group, min=lo, max=hi, count=len(entries) * 2, consumername=self.name
         )
-        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        return {as_str(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
     def _dead_letter(self, dead: list[tuple[str, bytes, str]]) -> None:
         pipe = self.client.pipeline(transaction=True)
@@ -370,7 +296,7 @@ class Consumer(Generic[T]):
                 reason=reason,
                 consumer=f"{self.group}/{self.name}",
             )
-            pipe.xadd(self.keys.dead, {FIELD: encode(letter)}, maxlen=DEAD_MAXLEN, approximate=True)
+            pipe.xadd(self.keys.dead, entry(letter), maxlen=DEAD_MAXLEN, approximate=True)
             pipe.xack(self.stream, self.group, entry_id)
         pipe.execute()
         self._gone([entry_id for entry_id, _, _ in dead])
@@ -394,14 +320,14 @@ def trim_acked(client: redis.Redis, stream: str, *, max_lag: dict[str, int] | No
     max_lag = max_lag or {}
     cuts: dict[str, tuple[int, int]] = {}
     for g in groups:
-        name = _s(g["name"])
+        name = as_str(g["name"])
         # the pending list may empty between XINFO and XPENDING (a consumer acknowledging):
         # then nothing up to the last-delivered id XINFO saw is pending any more
         oldest = client.xpending(stream, name)["min"] if int(g["pending"]) > 0 else None
         if oldest is not None:
-            cuts[name] = _parse_id(_s(oldest))
+            cuts[name] = parse_id(as_str(oldest))
         else:
-            ms, seq = _parse_id(_s(g["last-delivered-id"]))
+            ms, seq = parse_id(as_str(g["last-delivered-id"]))
             cuts[name] = (ms, seq + 1)
     strict = [c for n, c in cuts.items() if n not in max_lag]
     if strict:
@@ -421,7 +347,7 @@ def _lag_bound(client, stream: str, group: str, cut: tuple[int, int], bound: tup
     if len(rows) <= limit:
         return cut
     log.warning("%s: group %s is more than %d entries behind; trimming past it", stream, group, limit)
-    return _parse_id(_s(rows[limit - 1][0]))
+    return parse_id(as_str(rows[limit - 1][0]))
 
 
 # ---------------------------------------------------------------- plain readers
@@ -443,7 +369,7 @@ class Tail(Generic[T]):
         if not rows:
             return None
         entry_id, fields = rows[0]
-        self.last_id = _s(entry_id)
+        self.last_id = as_str(entry_id)
         return self._decode(self.last_id, fields)
 
     def poll(self, block: float = 0.0, count: int = 100) -> list[T]:
@@ -452,7 +378,7 @@ class Tail(Generic[T]):
         )
         out = []
         for entry_id, fields in resp[0][1] if resp else []:
-            self.last_id = _s(entry_id)
+            self.last_id = as_str(entry_id)
             event = self._decode(self.last_id, fields)
             if event is not None:
                 out.append(event)
@@ -460,14 +386,10 @@ class Tail(Generic[T]):
 
     def _decode(self, entry_id: str, fields: dict) -> T | None:
         try:
-            return decode(fields.get(FIELD, b""), self.as_type)
+            return entry_event(fields, self.as_type)
         except DecodeError as e:
             log.error("%s %s: skipping undecodable entry: %s", self.stream, entry_id, e.reason)
             return None
-
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 encode_raw = msgspec.msgpack.Encoder().encode
@@ -475,9 +397,4 @@ encode_raw = msgspec.msgpack.Encoder().encode
 
 def _flatten(fields: dict) -> bytes:
     """An entry's fields as msgpack, for a dead letter of an entry without a payload."""
-    return encode_raw({_s(k): bytes(v) for k, v in fields.items()})
-
-
-def _parse_id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
+    return encode_raw({as_str(k): bytes(v) for k, v in fields.items()})

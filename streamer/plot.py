@@ -21,9 +21,10 @@ from pathlib import Path
 from consumers import saved_state
 from consumers.history import History
 from consumers.metrics_state import SeenIds
-from schemas import DecodeError, MetricsEvent, decode
-from streamer.bus import FIELD, connect, redact
+from schemas import MetricsEvent
+from streamer.bus import scan
 from streamer.config import RunConfig
+from streamer.connection import connect, redact
 from streamer.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -36,17 +37,13 @@ def load_history(client, keys: Keys) -> History | None:
     snap = saved_state.load(client, keys.metrics_snapshot)
     history = snap.history if snap else History()
     seen = SeenIds(ids=snap.seen if snap else ())
-    after, found = (f"({snap.last_id}" if snap else "-"), snap is not None
-    while rows := client.xrange(keys.metrics, min=after, count=CHUNK):
+    found = snap is not None
+    for _, event in scan(
+        client, keys.metrics, MetricsEvent, after=snap.last_id if snap else "-", chunk=CHUNK
+    ):
         found = True
-        for _, fields in rows:
-            try:
-                event = decode(fields.get(FIELD, b""), MetricsEvent)
-            except DecodeError:
-                continue
-            if seen.add(event.id):
-                history.apply(event)
-        after = f"({rows[-1][0].decode()}"
+        if event is not None and seen.add(event.id):
+            history.apply(event)
     return history if found else None
 
 

@@ -18,8 +18,9 @@ from consumers import saved_state
 from consumers.history import WINDOW, History
 from consumers.metrics_state import SeenIds
 from schemas import MetricsEvent
-from streamer.bus import Tail, connect, unacked
+from streamer.bus import Tail, unacked
 from streamer.config import RunConfig
+from streamer.connection import connect
 from streamer.keys import Keys
 
 THRESHOLD = 0.8  # the demo's goal for the moving reward and eval accuracy

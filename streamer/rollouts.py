@@ -20,9 +20,10 @@ from datetime import datetime
 from pathlib import Path
 
 from consumers.archive import PATTERN, archive_dir
-from schemas import DeadLetter, DecodeError, decode
-from streamer.bus import FIELD, connect, redact
+from schemas import DeadLetter, DecodeError
+from streamer.bus import FIELD, as_str, entry_event
 from streamer.config import RunConfig
+from streamer.connection import connect, redact
 from streamer.keys import Keys
 
 FOLLOW_POLL = 1.0
@@ -112,9 +113,9 @@ def dead_main(cfg: RunConfig, args: argparse.Namespace) -> int:
     rows = client.xrevrange(keys.dead, count=args.last)
     print(f"{client.xlen(keys.dead)} dead letters in {keys.dead}; newest {len(rows)}:")
     for raw_id, fields in reversed(rows):
-        entry_id = raw_id.decode()
+        entry_id = as_str(raw_id)
         try:
-            d = decode(fields.get(FIELD, b""), DeadLetter)
+            d = entry_event(fields, DeadLetter)
         except DecodeError as e:
             print(f"{entry_id}  (undecodable dead letter: {e.reason})")
             continue
@@ -130,10 +131,10 @@ def _replay(client, keys: Keys, dead_id: str) -> int:
     if not rows:
         print(f"streamer dead: no dead letter {dead_id!r} in {keys.dead}", file=sys.stderr)
         return 2
-    d = decode(rows[0][1][FIELD], DeadLetter)
+    d = entry_event(rows[0][1], DeadLetter)
     if not d.stream.startswith(keys.prefix + ":"):
         print(f"streamer dead: {dead_id} came from {d.stream!r}, not a stream of this run", file=sys.stderr)
         return 2
-    new_id = client.xadd(d.stream, {FIELD: d.raw}).decode()
+    new_id = as_str(client.xadd(d.stream, {FIELD: d.raw}))
     print(f"re-published dead letter {dead_id} to {d.stream} as {new_id}")
     return 0

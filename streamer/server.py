@@ -186,7 +186,7 @@ class LocalCluster:
 
     For tests and benches of the cluster path (every key of a run shares one hash tag, so
     every script and MULTI of a run lands on one node). ``url`` is a ``redis+cluster://``
-    URL that :func:`streamer.bus.connect` turns into a cluster client.
+    URL that :func:`streamer.connection.connect` turns into a cluster client.
     """
 
     SLOTS = 16384

@@ -6,7 +6,8 @@ import tempfile
 import time
 
 from schemas import DeadLetter, MetricsEvent, Sample, TrajectoryGroup, WeightSync
-from streamer.bus import Consumer, Publisher, Tail, connect
+from streamer.bus import Consumer, Publisher, Tail
+from streamer.connection import connect
 from streamer.keys import TRAINER_GROUP, Keys
 from streamer.server import EmbeddedServer
 

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 import msgspec
 import redis
 
-from schemas import DeadLetter, DecodeError, WeightSync, decode
+from schemas import DeadLetter, DecodeError, WeightSync
 from streamer.admission import admission_limit
-from streamer.bus import FIELD, connect, redact
+from streamer.bus import as_str, entry_event
 from streamer.config import RunConfig
+from streamer.connection import connect, redact
 from streamer.keys import TRAINER_GROUP, Keys
 from streamer.values import DataError, parse_int
 
@@ -162,8 +163,10 @@ def snapshot(
         2 * len(named) :
     ]
     parse_int(version, keys.version, default=0)  # not shown, but a bad one is named here too
-    limits = {_s(k): parse_int(v, f"{keys.limits} {_s(k)}") for k, v in _hash(limits, keys.limits).items()}
-    marker = {_s(k): _s(v) for k, v in _hash(marker, keys.run_marker).items()}
+    limits = {
+        as_str(k): parse_int(v, f"{keys.limits} {as_str(k)}") for k, v in _hash(limits, keys.limits).items()
+    }
+    marker = {as_str(k): as_str(v) for k, v in _hash(marker, keys.run_marker).items()}
     syncs = _decode_rows(policy_rows, WeightSync)
     snap = Snapshot(
         run=keys.run,
@@ -176,7 +179,7 @@ def snapshot(
         known_producers=int(known),
         producers=[
             ProducerInfo(
-                id=_s(m),
+                id=as_str(m),
                 last_beat=float(t),
                 age_seconds=max(0.0, now - t),
                 live=now - t <= LIVE_SECONDS,
@@ -190,12 +193,12 @@ def snapshot(
         admission_limit=_admission_limit(limits),
         waiting_groups=_waiting(streams[0]),
         rejected_since_step={
-            _s(k): parse_int(v, keys.rejected_since_step)
+            as_str(k): parse_int(v, keys.rejected_since_step)
             for k, v in _hash(rejected, keys.rejected_since_step).items()
         },
         trainer_state=marker.get("trainer", ""),
         skipped_rows=int(skipped[0] or 0),
-        skipped_last={_s(k): _s(v) for k, v in list(skipped[1][1].items())[:SHOWN_SKIPPED]},
+        skipped_last={as_str(k): as_str(v) for k, v in list(skipped[1][1].items())[:SHOWN_SKIPPED]},
     )
     snap.reasons = stall_reasons(snap, stall_seconds=stall_seconds)
     snap.stalled = bool(snap.reasons)
@@ -251,11 +254,11 @@ def _stream(client: redis.Redis, name: str, key: str, info, groups) -> StreamInf
 def _group(client: redis.Redis, key: str, g: dict) -> GroupInfo:
     lag = g.get("lag")
     if lag is None:  # the server cannot tell after some deletions: count what follows
-        after = f"({_s(g['last-delivered-id'])}"
+        after = f"({as_str(g['last-delivered-id'])}"
         lag = len(client.xrange(key, min=after, count=1_000_000))
     read = g.get("entries-read")
     return GroupInfo(
-        name=_s(g["name"]),
+        name=as_str(g["name"]),
         consumers=int(g["consumers"]),
         pending=int(g["pending"]),
         lag=int(lag),
@@ -309,7 +312,7 @@ def _decode_rows(rows, as_type) -> list:
     out = []
     for _, fields in rows if isinstance(rows, list) else []:
         try:
-            out.append(decode(fields.get(FIELD, b""), as_type))
+            out.append(entry_event(fields, as_type))
         except DecodeError:
             continue  # status reports what it can read; the bus dead-letters the rest
     return out
@@ -320,11 +323,7 @@ def _missing(e: Exception) -> bool:
 
 
 def _id_time(entry_id) -> float:
-    return int(_s(entry_id).partition("-")[0]) / 1000.0
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    return int(as_str(entry_id).partition("-")[0]) / 1000.0
 
 
 # ---------------------------------------------------------------- rendering

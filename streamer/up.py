@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamer import plot
-from streamer.bus import connect, redact
 from streamer.config import URL_ENV, RunConfig, replace
+from streamer.connection import connect, redact
 from streamer.keys import Keys
 from streamer.lifecycle import QuietStdout, child_preexec
 from streamer.progress import Progress

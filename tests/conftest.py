@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from streamer.bus import connect
+from streamer.connection import connect
 from streamer.keys import Keys
 from streamer.server import EmbeddedServer
 

@@ -14,7 +14,7 @@ from trainer_data import make_group, publish
 from consumers.archive import Archiver, RotatingWriter, archive_dir
 from schemas import DeadLetter, encode
 from streamer import cli, demo
-from streamer.bus import FIELD, trim_acked
+from streamer.bus import FIELD, entry, trim_acked
 from streamer.config import RunConfig, replace
 from streamer.keys import ARCHIVE_GROUP, TRAINER_GROUP
 
@@ -71,7 +71,7 @@ def test_dead_lists_reasons_and_replays_one(client, keys, redis_url, tmp_path, c
     letter = DeadLetter(
         stream=keys.traj, entry_id="1-0", raw=raw, reason="a reward bug", consumer="trainer/t"
     )
-    dead_id = client.xadd(keys.dead, {FIELD: encode(letter)}).decode()
+    dead_id = client.xadd(keys.dead, entry(letter)).decode()
     assert cli.main(["dead", *_args(cfg)]) == 0
     assert "a reward bug" in capsys.readouterr().out
     assert cli.main(["dead", *_args(cfg, "--replay", dead_id)]) == 0

@@ -10,8 +10,9 @@ import pytest
 import redis
 
 from schemas import DeadLetter, MetricsEvent, Sample, TrajectoryGroup, WeightSync, decode, encode
-from streamer.bus import Consumer, Publisher, Tail, connect, trim_acked, unacked
+from streamer.bus import Consumer, Publisher, Tail, trim_acked, unacked
 from streamer.config import BusSection
+from streamer.connection import connect
 from streamer.errors import BackpressureTimeout
 from streamer.keys import TRAINER_GROUP
 
@@ -200,7 +201,7 @@ def test_consumer_survives_a_server_restart_with_aof(private_valkey, keys):
     with pytest.raises(redis.exceptions.ConnectionError):
         client.ping()
     private_valkey.start()
-    from streamer.bus import retrying
+    from streamer.connection import retrying
 
     restarted = retrying(lambda: consumer(client, keys), what="reconnect", give_up_after=20)
     redelivered = read_all(restarted, 2)

@@ -17,8 +17,8 @@ from consumers import checkpoint
 from consumers.batch import collate
 from consumers.learner import Learner
 from streamer import demo
-from streamer.bus import connect
 from streamer.config import TrainerSection
+from streamer.connection import connect
 from streamer.keys import TRAINER_GROUP, Keys
 
 CFG = TrainerSection(lr=1e-2, ppo_minibatches=2)

@@ -34,7 +34,7 @@ from test_producer import (  # noqa: F401
 )
 from test_status import test_json_for_scripts  # noqa: F401
 
-from streamer.bus import connect
+from streamer.connection import connect
 from streamer.keys import Keys
 from streamer.server import LocalCluster
 

@@ -82,7 +82,7 @@ def test_tickets_in_order_then_exhausted_once_leases_end(client, keys):
 
 
 def test_concurrent_claims_are_disjoint_and_complete(redis_url, keys):
-    from streamer.bus import connect
+    from streamer.connection import connect
 
     got: list[int] = []
     lock = threading.Lock()

@@ -22,7 +22,7 @@ from trainer_data import make_group, publish, wait_until, write_config
 
 from consumers import checkpoint
 from streamer import demo
-from streamer.bus import connect
+from streamer.connection import connect
 from streamer.keys import Keys
 from streamer.server import free_port
 

@@ -20,10 +20,11 @@ from bounds import START
 from prometheus_client.parser import text_string_to_metric_families
 
 from consumers.exporter import SERIES, Exporter
-from schemas import DeadLetter, MetricsEvent, WeightSync, encode
+from schemas import DeadLetter, MetricsEvent, WeightSync
 from schemas.metric_names import REJECT_REASONS
-from streamer.bus import FIELD, Publisher, connect
+from streamer.bus import FIELD, Publisher, entry
 from streamer.config import RunConfig, replace
+from streamer.connection import connect
 from streamer.keys import METRICS_GROUP, Keys
 from streamer.server import free_port
 
@@ -287,7 +288,7 @@ def test_survives_a_server_restart(private_valkey):
         private_valkey.kill()
         _wait(lambda: not ex.health_ok, "the exporter to notice the outage")
         private_valkey.start()
-        connect(private_valkey.url).xadd(keys.metrics, {FIELD: encode(ev("train", 2, "trainer", tokens=5))})
+        connect(private_valkey.url).xadd(keys.metrics, entry(ev("train", 2, "trainer", tokens=5)))
         _wait(lambda: sum(ex.state.events.values()) == 2, "the event published after the restart")
         assert ex.state.counters["streamer_train_tokens_total"] == 15
         assert loop.is_alive()

@@ -13,10 +13,11 @@ from lossy_proxy import LossyProxy
 
 from consumers.metrics_state import State
 from consumers.versions import VersionPublisher
-from schemas import MetricsEvent, WeightSync, decode
+from schemas import MetricsEvent, WeightSync
 from streamer import demo
-from streamer.bus import FIELD, Publisher, connect
+from streamer.bus import Publisher, entry_event
 from streamer.config import RunConfig, replace
+from streamer.connection import connect
 from streamer.progress import Progress
 
 
@@ -38,7 +39,7 @@ def test_a_metrics_event_written_twice_by_a_retry_counts_once(proxy, keys, clien
     publisher.publish(keys.metrics, first)  # its reply is lost; redis-py sends it again
     publisher.publish(keys.metrics, MetricsEvent(axis="rollout", step=2, values={"groups": 1.0}, source="p"))
     rows = client.xrange(keys.metrics)
-    events = [decode(f[FIELD], MetricsEvent) for _, f in rows]
+    events = [entry_event(f, MetricsEvent) for _, f in rows]
     assert proxy.dropped == 1 and len(rows) == 3, "the lost reply's command did not run twice"
     assert events[0].id == events[1].id != events[2].id
     state = State()
@@ -65,7 +66,7 @@ def test_a_version_announced_twice_by_a_retry_is_on_the_policy_stream_once(
         publisher.publish_now(model, version=1, step=1)  # the script ran; its reply is lost
     publisher.close()
     assert "version 1 was already announced" in caplog.text  # the retry ran the script again
-    versions = [decode(f[FIELD], WeightSync).version for _, f in client.xrange(keys.policy)]
+    versions = [entry_event(f, WeightSync).version for _, f in client.xrange(keys.policy)]
     assert proxy.dropped == 1
     assert versions == [0, 1] and int(client.get(keys.version)) == 1
     lossy.close()

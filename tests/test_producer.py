@@ -24,8 +24,8 @@ from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from schemas.metric_names import ROLLOUT
 from streamer import demo, weights
 from streamer.admission import Admission
-from streamer.bus import connect
 from streamer.config import RunConfig, replace, write_toml
+from streamer.connection import connect
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from streamer.bus import connect, redact
+from streamer.connection import connect, redact
 from streamer.errors import ConfigError, ServerError
 from streamer.server import EmbeddedServer, free_port
 

@@ -10,8 +10,9 @@ import pytest
 
 from schemas import DeadLetter, WeightSync
 from streamer import cli
-from streamer.bus import FIELD, Publisher, connect
+from streamer.bus import FIELD, Publisher
 from streamer.config import RunConfig
+from streamer.connection import connect
 from streamer.keys import Keys
 from streamer.server import EmbeddedServer
 from streamer.status import snapshot

@@ -18,12 +18,13 @@ from consumers.batch import collate
 from consumers.feed import Feeder
 from consumers.filters import GroupFilter
 from consumers.learner import Learner
-from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
+from schemas import MetricsEvent, WeightSync
 from schemas.metric_names import TRAIN
 from streamer import demo, weights
 from streamer.admission import Admission
-from streamer.bus import FIELD, Consumer, Tail, connect
+from streamer.bus import Tail, entry_event
 from streamer.config import BusSection, RunConfig, TrainerSection, replace
+from streamer.connection import connect
 from streamer.keys import TRAINER_GROUP, Keys
 
 
@@ -39,7 +40,7 @@ def _trainer(cfg: RunConfig, client, keys) -> trainer.Trainer:
 
 
 def _metrics(client, keys) -> list[MetricsEvent]:
-    return [decode(f[FIELD], MetricsEvent) for _, f in client.xrange(keys.metrics)]
+    return [entry_event(f, MetricsEvent) for _, f in client.xrange(keys.metrics)]
 
 
 def _trained(cfg: RunConfig) -> list[str]:
@@ -47,11 +48,11 @@ def _trained(cfg: RunConfig) -> list[str]:
 
 
 def _feeder(client, keys, **kw) -> Feeder:
-    consumer = Consumer(
-        client, keys, keys.traj, TRAINER_GROUP, "t0", as_type=TrajectoryGroup, cfg=BusSection()
-    )
     return Feeder(
-        consumer,
+        client,
+        keys,
+        name="t0",
+        bus=BusSection(),
         admission=Admission(client, keys, max_staleness=0, groups_per_step=2),
         group_filter=GroupFilter(max_staleness=100),
         groups_per_step=2,
@@ -141,27 +142,16 @@ def test_crash_between_checkpoint_and_ack_trains_nothing_twice(
     publish(client, keys.traj, groups)
     cfg = _cfg(redis_url, keys, tmp_path, steps=3, checkpoint_every=2, max_staleness=100)
 
-    def save_then_die(self):
-        checkpoint.save(
-            cfg.checkpoint_dir,
-            model=self.learner.model,
-            optimizer=self.learner.optimizer,
-            step=self.step,
-            version=self.version,
-            parent=self.parent,
-            high_water=self.high_water,
-            group_ids=[g for _, g in self.trained],
-            entry_ids=[e for e, _ in self.trained],
-        )
-        raise _Crash  # before any XACK
+    def die_before_the_ack(self, covered, **kw):
+        raise _Crash  # the checkpoint is on disk, no XACK yet
 
     with monkeypatch.context() as m:
-        m.setattr(trainer.Trainer, "checkpoint", save_then_die)
+        m.setattr(Feeder, "checkpointed", die_before_the_ack)
         with pytest.raises(_Crash):
             _trainer(cfg, client, keys).run()
     assert client.xpending(keys.traj, TRAINER_GROUP)["pending"] >= 4  # trained, checkpointed, not acked
 
-    with caplog.at_level(logging.INFO, logger="consumers.trainer"):
+    with caplog.at_level(logging.INFO, logger="consumers.feed"):
         assert _trainer(cfg, client, keys).run() == 0
     assert "acknowledged 4 pending entries the checkpoint already covers" in caplog.text
     assert _trained(cfg) == [g.group_id for g in groups]  # in order, each exactly once

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from schemas import Sample, TrajectoryGroup, encode
+from schemas import Sample, TrajectoryGroup
 from streamer import demo
-from streamer.bus import FIELD
+from streamer.bus import entry, entry_event
 from streamer.config import write_toml
 
 DIGITS = [demo.tokenizer().convert_tokens_to_ids(c) for c in "0123456789"]
@@ -95,7 +95,7 @@ def make_group(
 def publish(client, stream: str, groups) -> list[str]:
     pipe = client.pipeline(transaction=False)
     for g in groups:
-        pipe.xadd(stream, {FIELD: encode(g)})
+        pipe.xadd(stream, entry(g))
     return [i.decode() if isinstance(i, bytes) else i for i in pipe.execute()]
 
 
@@ -124,9 +124,9 @@ def start_trainer(config: Path, url: str, log: Path) -> subprocess.Popen:
 
 def policy_versions(client, stream: str) -> list[tuple[int, int]]:
     """(version, step) of every WeightSync on the policy stream, oldest first."""
-    from schemas import WeightSync, decode
+    from schemas import WeightSync
 
-    return [(e.version, e.step) for e in (decode(f[FIELD], WeightSync) for _, f in client.xrange(stream))]
+    return [(e.version, e.step) for e in (entry_event(f, WeightSync) for _, f in client.xrange(stream))]
 
 
 def wait_until(

@@ -25,9 +25,9 @@ from trainer_data import REPO, write_config
 from consumers import checkpoint
 from consumers.filters import GroupFilter
 from producers.samplers import Completion
-from schemas import DeadLetter, DecodeError, TrajectoryGroup, decode
+from schemas import DeadLetter, DecodeError, TrajectoryGroup
 from streamer import demo
-from streamer.bus import FIELD
+from streamer.bus import entry_event
 from streamer.config import TrainerSection
 from streamer.keys import TRAINER_GROUP, Keys
 
@@ -246,7 +246,7 @@ def audit(client, keys: Keys, checkpoint_dir: Path, trainer: TrainerSection) -> 
     judge = GroupFilter.from_config(trainer)
     dead = {
         d.entry_id
-        for d in (decode(f[FIELD], DeadLetter) for _, f in client.xrange(keys.dead))
+        for d in (entry_event(f, DeadLetter) for _, f in client.xrange(keys.dead))
         if d.stream == keys.traj
     }
     out = Audit()
@@ -262,7 +262,7 @@ def audit(client, keys: Keys, checkpoint_dir: Path, trainer: TrainerSection) -> 
             out.dead_lettered += 1
             continue
         try:
-            g = decode(fields[FIELD], TrajectoryGroup)
+            g = entry_event(fields, TrajectoryGroup)
         except (DecodeError, KeyError):
             out.undecodable += 1
             continue

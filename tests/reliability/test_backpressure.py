@@ -14,8 +14,9 @@ from bounds import RUN, START
 from harness import audit, keep_everything, report, run_config, wait_for
 
 from consumers import checkpoint
-from streamer.bus import connect, unacked
+from streamer.bus import unacked
 from streamer.config import TrainerSection
+from streamer.connection import connect
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from harness import report, run_config
 
-from streamer.bus import connect
+from streamer.connection import connect
 from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,8 @@ import pytest
 from bounds import RUN, START
 from harness import audit, keep_everything, report, run_config, wait_for
 
-from streamer.bus import connect
 from streamer.config import TrainerSection
+from streamer.connection import connect
 from streamer.keys import TRAINER_GROUP
 
 pytestmark = pytest.mark.slow

@@ -23,10 +23,11 @@ from trainer_data import make_group, publish
 
 from consumers import checkpoint
 from consumers.learner import Learner
-from schemas import WeightSync, decode
+from schemas import WeightSync
 from streamer import demo, weights
-from streamer.bus import FIELD, connect, unacked
+from streamer.bus import entry_event, unacked
 from streamer.config import TrainerSection
+from streamer.connection import connect
 from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow
@@ -83,7 +84,7 @@ def _state(ckpt_dir, weights_dir, client, keys) -> dict:
             complete += 1
         except checkpoint.CheckpointError as e:
             corrupt.append(f"{meta.name}: {e}")
-    syncs = {s.version: s for s in (decode(f[FIELD], WeightSync) for _, f in client.xrange(keys.policy))}
+    syncs = {s.version: s for s in (entry_event(f, WeightSync) for _, f in client.xrange(keys.policy))}
     bad_versions = []
     for d in weights_dir.iterdir():
         if d.name.startswith("v"):

@@ -35,8 +35,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from consumers import checkpoint
 from consumers.filters import GroupFilter, unusable
 from schemas import DeadLetter, MetricsEvent, TrajectoryGroup, decode, encode
-from streamer.bus import FIELD, connect, unacked
+from streamer.bus import FIELD, entry, entry_event, unacked
 from streamer.config import TrainerSection
+from streamer.connection import connect
 from streamer.keys import METRICS_GROUP
 from streamer.server import free_port
 
@@ -83,7 +84,7 @@ def _events_applied(port: int) -> float:
 def _dead(client, keys) -> dict[tuple[str, str], str]:
     out = {}
     for _, f in client.xrange(keys.dead):
-        letter = decode(f[FIELD], DeadLetter)
+        letter = entry_event(f, DeadLetter)
         out[(letter.stream, letter.entry_id)] = letter.reason
     return out
 
@@ -106,9 +107,9 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
     judge = GroupFilter.from_config(TrainerSection(**TRAINER))
 
     # warm up: both processes at work before the baseline memory reading
-    warm = [{FIELD: encode(valid_group(rng))} for _ in range(8)]
+    warm = [entry(valid_group(rng)) for _ in range(8)]
     _publish(client, keys.traj, warm)
-    _publish(client, keys.metrics, [{FIELD: encode(valid_metrics(rng, i))} for i in range(50)])
+    _publish(client, keys.metrics, [entry(valid_metrics(rng, i)) for i in range(50)])
     wait_for(
         lambda: client.xlen(keys.policy) >= 3 and _events_applied(port) >= 50,
         timeout=START,
@@ -124,8 +125,8 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
         "traj": [{FIELD: p} for _, p in traj_bad] + [{"x": b"no payload field"}] * (N_NO_FIELD // 2),
         "metrics": [{FIELD: p} for _, p in met_bad] + [{"x": b"no payload field"}] * (N_NO_FIELD // 2),
     }
-    good_traj = [{FIELD: encode(valid_group(rng))} for _ in range(24)]
-    good_met = [{FIELD: encode(valid_metrics(rng, 100 + i))} for i in range(200)]
+    good_traj = [entry(valid_group(rng)) for _ in range(24)]
+    good_met = [entry(valid_metrics(rng, 100 + i)) for i in range(200)]
     accepted = len(warm) + len(good_traj)  # every clean group is accepted (reward variance)
     stream_of = {"traj": keys.traj, "metrics": keys.metrics}
     bad_ids = {"traj": [], "metrics": []}
@@ -149,7 +150,7 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
     mutants = [{FIELD: p} for p in _valid_mutants(rng, traj_valid, TrajectoryGroup)]
     accepted += sum(_accepted(m[FIELD], judge) for m in mutants)
     extra = (-accepted) % TRAINER["groups_per_step"]  # a whole number of steps in the end
-    mutants += [{FIELD: encode(valid_group(rng))} for _ in range(extra)]
+    mutants += [entry(valid_group(rng)) for _ in range(extra)]
     _publish(client, keys.traj, mutants)
     met_mutants = [{FIELD: p} for p in _valid_mutants(rng, met_valid, MetricsEvent)]
     _publish(client, keys.metrics, met_mutants)

@@ -19,16 +19,17 @@ from harness import report, run_config, wait_for
 from trainer_data import make_group, policy_versions, publish
 
 from consumers import checkpoint
-from schemas import MetricsEvent, decode
+from schemas import MetricsEvent
 from streamer import weights
-from streamer.bus import FIELD, connect
+from streamer.bus import entry_event
+from streamer.connection import connect
 from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow
 
 
 def _train_metrics(client, keys: Keys) -> list[dict]:
-    events = [decode(f[FIELD], MetricsEvent) for _, f in client.xrange(keys.metrics)]
+    events = [entry_event(f, MetricsEvent) for _, f in client.xrange(keys.metrics)]
     return [e.values for e in events if e.axis == "train"]
 
 

@@ -17,8 +17,9 @@ import pytest
 from bounds import RUN, START
 from harness import report, run_config, wait_for
 
-from schemas import TrajectoryGroup, decode
-from streamer.bus import FIELD, connect
+from schemas import TrajectoryGroup
+from streamer.bus import entry_event
+from streamer.connection import connect
 from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow
@@ -90,7 +91,7 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
     assert procs.wait("heir", RUN) == 0, procs.tails()
 
     entries = client.xrange(keys.traj)
-    groups = [decode(f[FIELD], TrajectoryGroup) for _, f in entries]
+    groups = [entry_event(f, TrajectoryGroup) for _, f in entries]
     rows = Counter((g.epoch, g.row) for g in groups)
     partial = sum(len(g.samples) != G for g in groups)
     lost = ROWS - len(rows)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from harness import report, run_config, wait_for
 
-from streamer.bus import check_server, connect
+from streamer.connection import check_server, connect
 from streamer.keys import Keys
 from streamer.server import EmbeddedServer
 

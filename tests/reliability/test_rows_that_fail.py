@@ -10,7 +10,7 @@ import pytest
 from harness import NoisyBackend, report, run_config
 
 from producers.fake_server import BadRequest, FakeCompletionsServer
-from streamer.bus import connect
+from streamer.connection import connect
 from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow

@@ -26,8 +26,8 @@ from needs import need, need_tool
 from trainer_data import REPO
 
 from streamer import models
-from streamer.bus import connect
 from streamer.config import MetricsSection, ModelSection
+from streamer.connection import connect
 from streamer.errors import ServerError
 from streamer.keys import Keys
 from streamer.server import free_port, valkey_binary

@@ -29,8 +29,10 @@ from harness import (
 )
 
 from consumers import checkpoint
-from streamer.bus import connect
+from schemas import MetricsEvent
+from streamer.bus import entry_event
 from streamer.config import TrainerSection
+from streamer.connection import connect
 from streamer.keys import Keys
 from streamer.server import EmbeddedServer, free_port
 
@@ -86,10 +88,7 @@ def _start_pipeline(procs, url: str, config, port: int) -> None:
 
 def _evaluated(client, keys) -> bool:
     """The evaluator is past its start: it published the score of a version."""
-    from schemas import MetricsEvent, decode
-    from streamer.bus import FIELD
-
-    return any(decode(f[FIELD], MetricsEvent).axis == "eval" for _, f in client.xrange(keys.metrics))
+    return any(entry_event(f, MetricsEvent).axis == "eval" for _, f in client.xrange(keys.metrics))
 
 
 def _client_names(client) -> set[str]:

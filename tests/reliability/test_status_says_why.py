@@ -14,7 +14,7 @@ from harness import report, run_config, wait_for
 from trainer_data import REPO, make_group, publish
 
 from streamer.admission import Admission, Leases
-from streamer.bus import connect
+from streamer.connection import connect
 from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow

@@ -24,8 +24,8 @@ from harness import (
 )
 
 from consumers import checkpoint
-from streamer.bus import connect
 from streamer.config import TrainerSection
+from streamer.connection import connect
 from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 from harness import report, run_config, wait_for
 from trainer_data import make_group, publish
 
-from streamer.bus import connect
+from streamer.connection import connect
 from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,9 @@ from harness import report
 from consumers.evaluator import Evaluator
 from producers.components import build, load_task, local_sampler
 from producers.producer import Producer
-from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
+from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
 from streamer import demo, models, weights
-from streamer.bus import FIELD
+from streamer.bus import FIELD, entry, entry_event
 from streamer.config import RunConfig, replace
 
 
@@ -77,9 +77,7 @@ def test_producer_and_evaluator_refuse_weights_outside_the_directory_or_with_a_w
     refused = {"producer": 0, "eval": 0}
     with caplog.at_level(logging.ERROR, logger="producers.follow"):
         for version, (case, uri, sha) in enumerate(cases, start=1):
-            client.xadd(
-                keys.policy, {FIELD: encode(WeightSync(version=version, step=version, uri=uri, sha256=sha))}
-            )
+            client.xadd(keys.policy, entry(WeightSync(version=version, step=version, uri=uri, sha256=sha)))
             assert producer.step() == "published", case
             group = decode(client.xrange(keys.traj)[-1][1][FIELD], TrajectoryGroup)
             refused["producer"] += group.policy_version == 0 and _same(
@@ -87,12 +85,12 @@ def test_producer_and_evaluator_refuse_weights_outside_the_directory_or_with_a_w
             )
             refused["eval"] += evaluator.step() is None and _same(before["eval"], _params(ev_sampler.model))
         logged = sum(f"cannot load policy version {v}" in caplog.text for v in range(1, len(cases) + 1))
-    rollout = [decode(f[FIELD], MetricsEvent) for _, f in client.xrange(keys.metrics)]
+    rollout = [entry_event(f, MetricsEvent) for _, f in client.xrange(keys.metrics)]
     counted = sum(e.values.get("weight_load_errors", 0) for e in rollout if e.axis == "rollout")
 
     good = len(cases) + 1
     uri, sha = weights.write_version(demo.build_model(seed=7), cfg.weights_dir, good)
-    client.xadd(keys.policy, {FIELD: encode(WeightSync(version=good, step=good, uri=uri, sha256=sha))})
+    client.xadd(keys.policy, entry(WeightSync(version=good, step=good, uri=uri, sha256=sha)))
     assert producer.step() == "published"
     assert evaluator.step() == good
     loaded_after = decode(client.xrange(keys.traj)[-1][1][FIELD], TrajectoryGroup).policy_version == good

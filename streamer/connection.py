@@ -1,0 +1,142 @@
+"""Connecting to the server: URLs (with their passwords kept out of logs), the version
+check, and riding out outages longer than the client's own retries."""
+
+from __future__ import annotations
+
+import logging
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+from streamer.errors import ConfigError, ServerError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MIN_SERVER = (6, 2)  # XAUTOCLAIM
+TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+# a cluster seed node: redis-py's cluster client discovers the rest (every key of a run is
+# hash-tagged onto one slot, see streamer.keys)
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
+def redact(url: str, text: str | None = None) -> str:
+    """``text`` (default: the URL itself) with the URL's password replaced by ***, safe for logs.
+
+    Not by URL parsing alone: a password with ``#``, ``/`` or ``?`` in it makes the parser cut
+    the netloc short. The raw userinfo (between ``scheme://`` and the last ``@``) becomes
+    ``user:***``, and every other form of the password (as split from it, as parsed, and
+    percent-decoded) is removed wherever it occurs in ``text``.
+    """
+    text = url if text is None else text
+    scheme, sep, rest = url.partition("://")
+    userinfo = rest.rpartition("@")[0] if sep else ""
+    user, colon, password = userinfo.partition(":")
+    if not colon or not password:
+        return text
+    text = text.replace(userinfo, f"{user}:***")
+    forms = {password, urllib.parse.unquote(password)}
+    try:
+        if parsed := urllib.parse.urlsplit(url).password:
+            forms |= {parsed, urllib.parse.unquote(parsed)}
+    except ValueError:  # a netloc the parser rejects (e.g. a bad port): the forms above remain
+        pass
+    for secret in sorted(forms, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _encoding_hint(url: str) -> str:
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    if any(c in userinfo.partition(":")[2] for c in "#/?@"):
+        return "; a password with '#', '/', '?' or '@' must be percent-encoded (%23 %2F %3F %40)"
+    return ""
+
+
+def connect(
+    url: str,
+    *,
+    socket_timeout: float = 10.0,
+    name: str | None = None,
+    check: bool = True,
+) -> redis.Redis:
+    """A client for ``url`` (redis://, rediss://, unix://, with user:password if any).
+
+    ``socket_timeout`` must exceed the longest BLOCK the caller uses. Transient errors are
+    retried a bounded number of times with jittered exponential backoff; longer outages
+    are the caller's to wait out (see :func:`retrying`). With ``check``, the server is
+    pinged and its version checked, raising :class:`ServerError` with one clear line.
+    """
+    parts = urllib.parse.urlsplit(url)
+    cluster = parts.scheme in CLUSTER_SCHEMES
+    if parts.scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
+        raise ConfigError(
+            redact(
+                url,
+                f"redis URL {url!r}: scheme must be redis://, rediss://, unix:// "
+                "or redis+cluster:// (rediss+cluster://)",
+            )
+        )
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ConfigError(redact(url, f"redis URL {url!r} has no host{_encoding_hint(url)}"))
+    if parts.scheme == "unix" and not parts.path:
+        raise ConfigError(redact(url, f"redis URL {url!r} has no socket path"))
+    try:
+        client = (RedisCluster if cluster else redis.Redis).from_url(
+            url.replace("+cluster://", "://", 1) if cluster else url,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=min(5.0, socket_timeout),
+            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3),
+            retry_on_error=list(TRANSIENT),
+            health_check_interval=30,
+            client_name=name,
+            protocol=2,  # RESP2 on every redis-py version and server (the shapes we parse)
+        )
+    except ValueError as e:
+        why = _encoding_hint(url) or f": {e}"  # the parser's message may quote a piece of the password
+        raise ConfigError(redact(url, f"redis URL {url!r} cannot be used{why}")) from None
+    if check:
+        check_server(client, url)
+    return client
+
+
+def check_server(client: redis.Redis, url: str) -> tuple[int, ...]:
+    try:
+        info = client.info("server")
+    except redis.exceptions.AuthenticationError as e:
+        raise ServerError(redact(url, f"{url}: authentication failed ({e})")) from None
+    except redis.exceptions.ResponseError as e:
+        raise ServerError(redact(url, f"{url}: {e}")) from None
+    except TRANSIENT as e:
+        raise ServerError(redact(url, f"cannot reach the server at {url}: {e}")) from None
+    raw = str(info.get("valkey_version") or info.get("redis_version") or "0")
+    version = tuple(int(p) for p in raw.split(".")[:3] if p.isdigit())
+    # valkey reports redis_version 7.2.4 for compatibility; either way it must be >= 6.2
+    if version[:2] < MIN_SERVER:
+        raise ServerError(
+            redact(url, f"server at {url} is version {raw}; streamer needs >= 6.2 (XAUTOCLAIM)")
+        )
+    return version
+
+
+def retrying(fn: Callable[[], T], *, what: str, give_up_after: float | None = None) -> T:
+    """Call ``fn`` until the server answers, backing off to 5 s, logging each failure.
+
+    For outages longer than the client's own few retries (a server restart).
+    """
+    delay, start = 0.1, time.monotonic()
+    while True:
+        try:
+            return fn()
+        except TRANSIENT as e:
+            if give_up_after is not None and time.monotonic() - start > give_up_after:
+                raise ServerError(f"{what}: server unavailable for {give_up_after:.0f}s: {e}") from e
+            log.warning("%s: server unavailable (%s); retrying in %.1fs", what, e, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
