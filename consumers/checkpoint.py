@@ -19,11 +19,9 @@ makes the names unique. Pruned checkpoints keep their ``state.json`` so the audi
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from streamer import weights
 from streamer.errors import CheckpointError
-from streamer.weights import fsync, sha256_file, writing
+from streamer.weights import atomic_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -77,40 +75,26 @@ def save(
     """Write a checkpoint atomically; returns its metadata once it is durable on disk."""
     root = Path(root)
     name = name_for(step, version)
-    with writing(f"checkpoint {name}", root):  # disk full, read-only: one clear DiskError
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
-        try:
-            model.save_pretrained(tmp / "model", safe_serialization=True)
-            tensors, layout = _flatten_optimizer(optimizer.state_dict())
-            save_file(tensors, tmp / "optimizer.safetensors")
-            save_file(_rng_tensors(), tmp / "rng.safetensors")
-            files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-            meta = CheckpointMeta(
-                name=name,
-                step=step,
-                version=version,
-                parent=parent,
-                high_water=high_water,
-                group_ids=list(group_ids),
-                entry_ids=list(entry_ids),
-                files=files,
-                optimizer=layout,
-                python_rng=_jsonable(random.getstate()),
-                created_at=time.time(),
-            )
-            (tmp / STATE).write_bytes(msgspec.json.encode(meta))
-            for p in tmp.rglob("*"):
-                fsync(p)
-            fsync(tmp)
-            final = root / name
-            if final.exists():  # only a damaged leftover can hold a never-reused version's name
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fsync(root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with atomic_dir(root, name, what=f"checkpoint {name}") as tmp:  # disk full: one clear DiskError
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        tensors, layout = _flatten_optimizer(optimizer.state_dict())
+        save_file(tensors, tmp / "optimizer.safetensors")
+        save_file(_rng_tensors(), tmp / "rng.safetensors")
+        files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta = CheckpointMeta(
+            name=name,
+            step=step,
+            version=version,
+            parent=parent,
+            high_water=high_water,
+            group_ids=list(group_ids),
+            entry_ids=list(entry_ids),
+            files=files,
+            optimizer=layout,
+            python_rng=_jsonable(random.getstate()),
+            created_at=time.time(),
+        )
+        (tmp / STATE).write_bytes(msgspec.json.encode(meta))
     return meta
 
 

@@ -68,22 +68,10 @@ def write_version(model, root: Path, version: int) -> tuple[str, str]:
     """
     root = Path(root).resolve()
     final = version_dir(root, version)
-    with writing(f"policy version {version}", root):
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-        try:
-            files = save(model, tmp)
-            (sha,) = [f["sha256"] for n, f in files.items() if n.endswith(".safetensors")]  # = digest()
-            _write_manifest(tmp, version, sha, files)
-            for f in tmp.iterdir():
-                fsync(f)
-            if final.exists():  # a version number is never reused; a leftover is from a crash
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fsync(root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with atomic_dir(root, final.name, what=f"policy version {version}") as tmp:
+        files = save(model, tmp)
+        (sha,) = [f["sha256"] for n, f in files.items() if n.endswith(".safetensors")]  # = digest()
+        _write_manifest(tmp, version, sha, files)
     return final.as_uri(), sha
 
 
@@ -177,6 +165,30 @@ def writing(what: str, directory: Path):
         raise DiskError(f"cannot write {what} in {directory}: {reason}") from e
 
 
+@contextlib.contextmanager
+def atomic_dir(root: Path, name: str, *, what: str):
+    """A temporary directory under ``root`` that becomes ``root/name`` once the block ends:
+    every file in it fsynced, a leftover of that name replaced (names are never reused, so
+    one can only be a crash's), the rename fsynced. On an error nothing appears under
+    ``name`` and the temporary directory is removed; a failed write is a DiskError."""
+    root = Path(root)
+    with writing(what, root):
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+        try:
+            yield tmp
+            for f in tmp.rglob("*"):
+                fsync(f)
+            fsync(tmp)
+            if (root / name).exists():
+                shutil.rmtree(root / name)
+            os.rename(tmp, root / name)
+            fsync(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
 def versions(root: Path) -> list[int]:
     """Version numbers with a weights directory under ``root``, ascending."""
     root = Path(root)
@@ -196,12 +208,7 @@ def prune(root: Path, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
         return []
     for tmp in root.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
-    versions = sorted(
-        int(p.name[len(_PREFIX) :])
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit()
-    )
-    doomed = [v for v in versions[:-keep] if v not in protect] if keep > 0 else []
+    doomed = [v for v in versions(root)[:-keep] if v not in protect] if keep > 0 else []
     for v in doomed:
         shutil.rmtree(version_dir(root, v), ignore_errors=True)
     return doomed
