@@ -166,6 +166,16 @@ class DataParallel:
         dist.broadcast(h, src=0)
         return tuple(int(v) for v in h.tolist())
 
+    def leave(self, code: int = 0):
+        """Close cleanly and end the process at once: interpreter teardown with gloo's threads
+        alive can end in std::terminate (SIGABRT), which torchrun reports as a failure. For a
+        rank with nothing left to write."""
+        self.close(clean=True)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
     def close(self, *, clean: bool = False) -> None:
         """Leave the process group. ``clean``: every rank is closing normally, so wait for all of
         them first (a rank tearing gloo down while another still sends aborts the process)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 import sys
 import threading
@@ -362,13 +361,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
         )
         dp = DataParallel.init()  # under torchrun; rank 0 trains below, the others follow it
         if dp is not None and dp.rank > 0:
-            code = follow(cfg, dp)
-            # a follower has nothing left to write; interpreter teardown with gloo's threads
-            # alive can end in std::terminate (SIGABRT), which torchrun reports as a failure
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            dp.leave(follow(cfg, dp))  # a follower has nothing left to write
         client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
         keys = Keys(cfg.run.name)
         # one trainer per run: a second one would prune the first one's files (one line, exit 1)

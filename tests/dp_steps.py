@@ -57,4 +57,4 @@ if __name__ == "__main__":
         (out / "metrics.json").write_text(json.dumps(metrics))
         save_file(state, out / "weights.safetensors")  # clones: tied weights are two tensors here
     if dp is not None:
-        dp.close(clean=True)
+        dp.leave()
