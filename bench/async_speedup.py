@@ -123,20 +123,8 @@ def write_config(
     return write_toml(path, {"run": run_section, "trainer": trainer, "producer": producer})
 
 
-def spawn(role: str, config: Path, log: Path, *extra: str, threads: int, log_level: str) -> subprocess.Popen:
-    """``streamer {role}`` with ``threads`` torch threads (oversubscribed threads slow all)."""
-    env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, "-m", "streamer", "--log-level", log_level, role, "--config", str(config), *extra]
-    with open(log, "ab") as fh:
-        return subprocess.Popen(cmd, cwd=config.parent, env=env, stdout=fh, stderr=subprocess.STDOUT)
-
-
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    C.stop_processes(procs)
-
-
 def cleanup(procs: list[subprocess.Popen], client, keys: Keys) -> None:
-    stop_all(procs)
+    C.stop_processes(procs)
     C.drop_run(client, keys)
     client.close()
 
@@ -160,9 +148,9 @@ def run_side(
     )
     log = workdir / f"{keys.run}.log"
     client = connect(url)
-    procs = [spawn("train", config, log, threads=args.trainer_threads, log_level=args.log_level)]
+    procs = [C.spawn_role("train", config, log=log, threads=args.trainer_threads, log_level=args.log_level)]
     procs += [
-        spawn("produce", config, log, "--id", f"p{i}", threads=1, log_level=args.log_level)
+        C.spawn_role("produce", config, "--id", f"p{i}", log=log, threads=1, log_level=args.log_level)
         for i in range(args.producers)
     ]
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import statistics
 import subprocess
@@ -248,6 +249,27 @@ def _fmt(c: object) -> str:
             return f"{c:,.0f}"
         return f"{c:.3g}" if abs(c) < 10 else f"{c:.1f}"
     return str(c)
+
+
+def spawn_role(
+    role: str,
+    config: Path,
+    *extra: str,
+    log: Path | None = None,
+    threads: int = 0,
+    log_level: str = "WARNING",
+) -> subprocess.Popen:
+    """``python -m streamer {role} --config {config} {extra}`` from this checkout, in the
+    config's directory; output appended to ``log`` (None: inherited); ``threads`` > 0 sets
+    OMP_NUM_THREADS (oversubscribed torch threads slow every process)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "streamer", "--log-level", log_level, role, "--config", str(config), *extra]
+    if log is None:
+        return subprocess.Popen(cmd, cwd=config.parent, env=env)
+    with open(log, "ab") as fh:
+        return subprocess.Popen(cmd, cwd=config.parent, env=env, stdout=fh, stderr=subprocess.STDOUT)
 
 
 def stop_processes(procs, grace: float = 20.0) -> None:

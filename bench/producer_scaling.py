@@ -20,9 +20,7 @@ single-flight processes (goal: >= 0.9 of their groups/s).
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
+import contextlib
 import sys
 import tempfile
 import time
@@ -32,12 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import common as C  # noqa: E402
+
 from producers.fake_server import FakeCompletionsServer, canned  # noqa: E402
 from streamer.admission import Admission  # noqa: E402
 from streamer.config import write_toml  # noqa: E402
 from streamer.connection import connect  # noqa: E402
 from streamer.keys import Keys  # noqa: E402
-from streamer.server import EmbeddedServer  # noqa: E402
 
 GOAL = 3.5
 INFLIGHT_GOAL = 0.9
@@ -90,26 +89,7 @@ def measure(
         group_size=group_size,
         concurrency=concurrency,
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "streamer",
-                "--log-level",
-                "WARNING",
-                "produce",
-                "--config",
-                str(config),
-                "--id",
-                f"p{i}",
-            ],
-            cwd=workdir,
-            env=env,
-        )
-        for i in range(n)
-    ]
+    procs = [C.spawn_role("produce", config, "--id", f"p{i}") for i in range(n)]
     try:
         deadline = time.monotonic() + 90
         while client.hlen(keys.lease_owner) < n * concurrency:
@@ -123,16 +103,28 @@ def measure(
         end, t1 = client.xlen(keys.traj), time.monotonic()
         return (end - start) / (t1 - t0)
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for key in client.scan_iter(match=keys.all_keys_pattern(), count=1000):
-            client.delete(key)
+        C.stop_processes(procs)
+        C.drop_run(client, keys)
         client.close()
+
+
+@contextlib.contextmanager
+def servers(args):
+    """A fake sampler with fixed latency and a server (``--redis-url`` or a private one):
+    the arguments :func:`measure` takes besides N."""
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        FakeCompletionsServer(canned([10, 5]), latency=args.latency) as sampler,
+        C.server_url(args) as url,
+    ):
+        yield dict(
+            redis_url=url,
+            sampler_url=sampler.url,
+            workdir=Path(tmp),
+            window=args.window,
+            warmup=args.warmup,
+            group_size=args.group_size,
+        )
 
 
 def main() -> int:
@@ -150,33 +142,16 @@ def main() -> int:
         return inflight(args)
     counts = [1, 2, 4, 8] if args.with_8 else [1, 2, 4]
     began = time.monotonic()
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        FakeCompletionsServer(canned([10, 5]), latency=args.latency) as sampler,
-    ):
-        server = None if args.redis_url else EmbeddedServer(Path(tmp) / "valkey").start()
-        url = args.redis_url or server.url
-        try:
-            print(
-                f"fixed sampler latency {args.latency * 1000:.0f} ms, G={args.group_size}, "
-                f"window {args.window:.0f} s per N"
-            )
-            print(f"{'producers':>9}  {'groups/s':>9}  {'vs 1':>6}  {'ideal':>6}")
-            rates = {}
-            for n in counts:
-                rates[n] = measure(
-                    n,
-                    redis_url=url,
-                    sampler_url=sampler.url,
-                    workdir=Path(tmp),
-                    window=args.window,
-                    warmup=args.warmup,
-                    group_size=args.group_size,
-                )
-                print(f"{n:>9}  {rates[n]:>9.2f}  {rates[n] / rates[1]:>5.2f}x  {n:>5}x", flush=True)
-        finally:
-            if server:
-                server.stop()
+    with servers(args) as common:
+        print(
+            f"fixed sampler latency {args.latency * 1000:.0f} ms, G={args.group_size}, "
+            f"window {args.window:.0f} s per N"
+        )
+        print(f"{'producers':>9}  {'groups/s':>9}  {'vs 1':>6}  {'ideal':>6}")
+        rates = {}
+        for n in counts:
+            rates[n] = measure(n, **common)
+            print(f"{n:>9}  {rates[n]:>9.2f}  {rates[n] / rates[1]:>5.2f}x  {n:>5}x", flush=True)
     ratio = rates[4] / rates[1]
     verdict = "meets" if ratio >= GOAL else "MISSES"
     print(
@@ -189,29 +164,12 @@ def main() -> int:
 def inflight(args) -> int:
     """One producer with ``args.inflight`` rows in flight vs that many single-flight producers."""
     k, began = args.inflight, time.monotonic()
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        FakeCompletionsServer(canned([10, 5]), latency=args.latency) as sampler,
-    ):
-        server = None if args.redis_url else EmbeddedServer(Path(tmp) / "valkey").start()
-        url = args.redis_url or server.url
-        common = dict(
-            redis_url=url,
-            sampler_url=sampler.url,
-            workdir=Path(tmp),
-            window=args.window,
-            warmup=args.warmup,
-            group_size=args.group_size,
-        )
-        try:
-            print(f"fixed sampler latency {args.latency * 1000:.0f} ms, G={args.group_size}, {k} in flight")
-            many = measure(k, **common)
-            print(f"{k} producer processes, 1 row each: {many:.2f} groups/s", flush=True)
-            one = measure(1, concurrency=k, **common)
-            print(f"1 producer process, {k} rows in flight: {one:.2f} groups/s", flush=True)
-        finally:
-            if server:
-                server.stop()
+    with servers(args) as common:
+        print(f"fixed sampler latency {args.latency * 1000:.0f} ms, G={args.group_size}, {k} in flight")
+        many = measure(k, **common)
+        print(f"{k} producer processes, 1 row each: {many:.2f} groups/s", flush=True)
+        one = measure(1, concurrency=k, **common)
+        print(f"1 producer process, {k} rows in flight: {one:.2f} groups/s", flush=True)
     ratio = one / many
     verdict = "meets" if ratio >= INFLIGHT_GOAL else "MISSES"
     print(

@@ -79,22 +79,7 @@ WAIT = 120.0  # seconds any one wait may take before the bench gives up loudly
 
 def big_config(*, hidden: int, layers: int):
     """A Qwen2 config of ~100M parameters at the defaults (16 x 768), demo vocabulary."""
-    from transformers import Qwen2Config
-
-    tok = demo.tokenizer()
-    return Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-    )
+    return demo.model_config(hidden=hidden, layers=layers, heads=hidden // 64, intermediate=hidden * 8 // 3)
 
 
 def build(kind: str, workdir: Path, args) -> tuple[torch.nn.Module, str]:
@@ -182,34 +167,13 @@ def write_config(
 
 
 def spawn(config: Path, producer_id: str, args) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": "1"}
+    log = config.parent / f"{producer_id}.log"
     if args.real_sampling:
-        cmd = [
-            "-m",
-            "streamer",
-            "--log-level",
-            "WARNING",
-            "produce",
-            "--config",
-            str(config),
-            "--id",
-            producer_id,
-        ]
-    else:
-        cmd = [
-            __file__,
-            "--producer-child",
-            str(config),
-            producer_id,
-            str(args.sample_latency),
-            args.verify,
-        ]
-    with open(config.parent / f"{producer_id}.log", "ab") as log:
-        return subprocess.Popen([sys.executable, *cmd], cwd=config.parent, env=env, stdout=log, stderr=log)
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    C.stop_processes(procs)
+        return C.spawn_role("produce", config, "--id", producer_id, log=log, threads=1)
+    env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [__file__, "--producer-child", str(config), producer_id, str(args.sample_latency), args.verify]
+    with open(log, "ab") as fh:
+        return subprocess.Popen([sys.executable, *cmd], cwd=config.parent, env=env, stdout=fh, stderr=fh)
 
 
 # ---------------------------------------------------------------- observing the loads
@@ -274,7 +238,7 @@ class Clock:
     def __init__(self):
         self.seconds = {"snapshot": 0.0, "save": 0.0, "sha256": 0.0, "fsync": 0.0}
         self._wrap(weights, "save", "save")  # serialise + write, hashing as it writes
-        self._wrap(versions, "Snapshot", "snapshot")
+        self._wrap(versions, "WeightsCopy", "snapshot")
         self._wrap(weights, "digest", "sha256")
         self._wrap(weights, "fsync", "fsync")
 
@@ -426,7 +390,7 @@ def measure(
                     results.setdefault(count, []).append(res)
             print(f"  {kind}: {count} producer(s) done", flush=True)
     finally:
-        stop(procs)
+        C.stop_processes(procs)
         publisher.close()
         C.drop_run(client, keys)
         client.close()

@@ -91,17 +91,17 @@ def tokenizer():
     return fast
 
 
-def model_config():
-    """A ~100k-parameter Qwen2 config sized for the demo vocabulary."""
+def model_config(*, hidden: int = 64, layers: int = 2, heads: int = 4, intermediate: int = 128):
+    """A Qwen2 config for the demo vocabulary: ~100k parameters at the defaults."""
     from transformers import Qwen2Config
 
     tok = tokenizer()
     return Qwen2Config(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=64,
         tie_word_embeddings=True,

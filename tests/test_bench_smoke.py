@@ -1,4 +1,5 @@
-"""Each benchmark of bench/ runs at a tiny size, exits 0 and ends with its ratio line.
+"""Each benchmark of bench/ that has a --quick size runs at it, exits 0 and prints its ratio
+line (the last line, or the one before a closing "bench took" line).
 
 The benchmarks start their own private valkey-server, so this needs no fixture server.
 """
@@ -25,6 +26,7 @@ RATIO = re.compile(r"^ratios: (\S+=\d+\.\d\dx.*)$")
         ("codec.py", ["msgspec_vs_json_512", "msgspec_vs_pickle_lists_4096"]),
         ("memory.py", ["used_memory_per_payload_512", "max_xlen_vs_limit"]),
         ("metrics_memory.py", ["used_memory_1000_vs_200_steps"]),
+        ("weight_sync.py", ["demo_1p", "demo_1p_path"]),
     ],
 )
 def test_bench_quick_prints_ratios(script, expected):
@@ -37,7 +39,8 @@ def test_bench_quick_prints_ratios(script, expected):
         timeout=300,  # a bound for a hung script, not a speed check: --quick takes seconds
     )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
-    last = proc.stdout.strip().splitlines()[-1]
+    lines = proc.stdout.strip().splitlines()
+    last = lines[-2] if lines[-1].startswith("bench took") else lines[-1]
     match = RATIO.match(last)
     assert match, f"{script}: last line is not a ratio line: {last!r}"
     names = dict(part.split("=", 1) for part in re.findall(r"\S+=\S+", match.group(1)))
