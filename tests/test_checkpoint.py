@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 from bounds import RUN, START
-from trainer_data import make_group, policy_versions, publish, start_trainer, wait_until, write_config
+from trainer_data import make_group, policy_versions, publish, start_trainer, write_config
+from waits import Watch, wait_until
 
 from consumers import checkpoint
 from consumers.batch import collate
@@ -171,8 +172,7 @@ def test_sigkill_at_random_points_trains_each_group_exactly_once(private_valkey,
             ),
             timeout=START,
             what=f"{target} weight syncs" + ("" if kill else " and a checkpoint"),
-            proc=proc,
-            log=log,
+            watch=Watch(proc, log=log),
         )
         time.sleep(rng.uniform(0.0, 0.05))  # a random point of the step/sync/checkpoint cycle
         proc.kill()

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from dp_steps import STEPS, run
 from safetensors.torch import load_file
-from trainer_data import make_group, publish, wait_until, write_config
+from trainer_data import make_group, publish, write_config
+from waits import Watch, wait_until
 
 from consumers import checkpoint
 from streamer import demo
@@ -118,7 +119,10 @@ def test_torchrun_trainer_equals_one_process_and_a_killed_rank_loses_nothing(pri
     with open(log, "w") as out:
         agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     wait_until(
-        lambda: client.xlen(keys.policy) >= 4, timeout=120, what="3 steps under torchrun", proc=agent, log=log
+        lambda: client.xlen(keys.policy) >= 4,
+        timeout=120,
+        what="3 steps under torchrun",
+        watch=Watch(agent, log=log),
     )
     victim = _rank_pid(agent.pid, rank=1)
     os.kill(victim, signal.SIGKILL)

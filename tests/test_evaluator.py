@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from bounds import START
+from waits import Watch, wait_until
 
 from consumers.evaluator import Evaluator
 from producers.components import load_task, local_sampler
@@ -131,13 +131,4 @@ def test_streamer_eval_follows_versions_and_stops_on_sigterm(client, keys, redis
 
 def _wait_for(cond, timeout, what, tmp_path, proc):
     """Until ``cond``; fail with the log tail on timeout, or at once if ``proc`` exited."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if (code := proc.poll()) is not None and not cond():
-            log = (tmp_path / "eval.log").read_text()[-3000:]
-            raise AssertionError(f"`streamer eval` exited with code {code} waiting for {what}:\n{log}")
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out waiting for {what}:\n{(tmp_path / 'eval.log').read_text()[-3000:]}"
-            )
-        time.sleep(0.1)
+    wait_until(cond, timeout=timeout, what=what, watch=Watch(proc, log=tmp_path / "eval.log"), interval=0.1)

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 from bounds import START
 from prometheus_client.parser import text_string_to_metric_families
+from waits import Watch, wait_until
 
 from consumers.exporter import SERIES, Exporter
 from schemas import DeadLetter, MetricsEvent, WeightSync
@@ -261,16 +262,14 @@ def test_cli_serves_healthz_and_exits_0_on_sigterm(redis_url, keys, client, tmp_
 
 
 def _wait_healthz(port: int, proc: subprocess.Popen) -> dict:
-    deadline = time.monotonic() + START
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"exporter exited {proc.returncode}: {proc.stdout.read().decode()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-                return json.loads(r.read())
-        except (urllib.error.URLError, ConnectionError):
-            assert time.monotonic() < deadline, f"exporter did not answer /healthz within {START:.0f} s"
-            time.sleep(0.1)
+    def healthz() -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return json.loads(r.read())
+
+    ignore = (urllib.error.URLError, ConnectionError)
+    return wait_until(
+        healthz, timeout=START, what="the exporter's /healthz", watch=Watch(proc), ignore=ignore
+    )
 
 
 @pytest.mark.slow
@@ -284,12 +283,18 @@ def test_survives_a_server_restart(private_valkey):
     loop = threading.Thread(target=ex.run, args=(stop,), daemon=True)
     loop.start()
     try:
-        _wait(lambda: sum(ex.state.events.values()) == 1 and ex.health_ok, "the first event")
+        wait_until(
+            lambda: sum(ex.state.events.values()) == 1 and ex.health_ok, timeout=20, what="the first event"
+        )
         private_valkey.kill()
-        _wait(lambda: not ex.health_ok, "the exporter to notice the outage")
+        wait_until(lambda: not ex.health_ok, timeout=20, what="the exporter to notice the outage")
         private_valkey.start()
         connect(private_valkey.url).xadd(keys.metrics, entry(ev("train", 2, "trainer", tokens=5)))
-        _wait(lambda: sum(ex.state.events.values()) == 2, "the event published after the restart")
+        wait_until(
+            lambda: sum(ex.state.events.values()) == 2,
+            timeout=20,
+            what="the event published after the restart",
+        )
         assert ex.state.counters["streamer_train_tokens_total"] == 15
         assert loop.is_alive()
     finally:
@@ -297,10 +302,3 @@ def test_survives_a_server_restart(private_valkey):
         loop.join(timeout=15)
         ex.close()
     assert not loop.is_alive(), "the loop did not stop within 15 s"
-
-
-def _wait(cond, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from bounds import RUN, START
+from waits import Watch, wait_until
 
 from producers.components import Task, build
 from producers.dataset import Order
@@ -33,16 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _wait_for(cond, timeout: float, what: str, procs: dict | None = None, tmp_path: Path | None = None):
     """Until ``cond``; fail on timeout, or at once when one of ``procs`` (id -> Popen, logging
     to ``tmp_path/<id>.log``) exited, with its exit code and log tail."""
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        for pid, proc in (procs or {}).items():
-            if proc.poll() is not None:
-                log = (tmp_path / f"{pid}.log").read_text()[-3000:]
-                raise AssertionError(f"{pid} exited with code {proc.returncode} waiting for {what}:\n{log}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return value
+    watch = Watch(*procs.values(), log=[tmp_path / f"{pid}.log" for pid in procs]) if procs else None
+    return wait_until(cond, timeout=timeout, what=what, watch=watch)
 
 
 def _cfg(keys, redis_url, tmp_path, **sections) -> RunConfig:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from needs import need_tool
+from waits import Watch, wait_until
 
 from schemas import DeadLetter, MetricsEvent, WeightSync
 from schemas.metric_names import AXES
@@ -54,19 +55,10 @@ def get_json(url: str, timeout: float = 5.0) -> dict:
         return json.loads(r.read())
 
 
-def wait_until(what: str, fn, procs: list[subprocess.Popen], timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        for p in procs:
-            if p.poll() is not None:
-                pytest.fail(f"{what}: {p.args[0]} exited {p.returncode}: {p.stdout.read().decode()[-2000:]}")
-        try:
-            if result := fn():
-                return result
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
-        time.sleep(0.2)
+def until(what: str, fn, procs: list[subprocess.Popen]):
+    """``fn`` truthy within 30 s (a server not answering yet counts as not yet)."""
+    ignore = (urllib.error.URLError, ConnectionError)
+    return wait_until(fn, timeout=30.0, what=what, watch=Watch(*procs), interval=0.2, ignore=ignore)
 
 
 def round_of_events(pub: Publisher, keys, client, i: int) -> None:
@@ -169,11 +161,11 @@ def test_every_dashboard_query_returns_data(prometheus, redis_url, keys, client,
             res = query("count_over_time(up[1m])")
             return res and float(res[0]["value"][1]) >= n and query("up")[0]["value"][1] == "1"
 
-        wait_until("the first scrape of the exporter", lambda: scraped(1), procs)
+        until("the first scrape of the exporter", lambda: scraped(1), procs)
         for i in range(1, 4):  # a short run: new events between scrapes
             round_of_events(pub, keys, client, i)
-            wait_until(f"scrape {i + 1}", lambda i=i: scraped(i + 1), procs)
-        wait_until("the last events to be scraped", lambda: query("streamer_train_step == 4"), procs)
+            until(f"scrape {i + 1}", lambda i=i: scraped(i + 1), procs)
+        until("the last events to be scraped", lambda: query("streamer_train_step == 4"), procs)
 
         empty = []
         for title, expr in dashboards.queries(dashboards.render()):
@@ -189,7 +181,7 @@ def test_every_dashboard_query_returns_data(prometheus, redis_url, keys, client,
             dead = [r for r in rules if r["name"] == "StreamerDeadLetters" and r["state"] != "inactive"]
             return rules if dead and all(r["health"] == "ok" for r in rules) else None
 
-        rules = wait_until("every alert rule to evaluate, StreamerDeadLetters active", rules_evaluated, procs)
+        rules = until("every alert rule to evaluate, StreamerDeadLetters active", rules_evaluated, procs)
         assert {r["name"] for r in rules} == {
             "StreamerTrainerStalled",
             "StreamerTrajectoryLagGrowing",

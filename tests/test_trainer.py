@@ -11,7 +11,8 @@ import threading
 
 import pytest
 from bounds import START
-from trainer_data import make_group, policy_versions, publish, start_trainer, wait_until, write_config
+from trainer_data import make_group, policy_versions, publish, start_trainer, write_config
+from waits import Watch, wait_until
 
 from consumers import checkpoint, trainer
 from consumers.batch import collate
@@ -190,8 +191,7 @@ def test_train_process_lock_step_with_a_publisher(private_valkey, tmp_path):
                 lambda step=step: client.xlen(keys.policy) == step + 1,
                 timeout=START,
                 what=f"version {step}",
-                proc=proc,
-                log=log,
+                watch=Watch(proc, log=log),
             )
             sync = Tail(client, keys.policy, as_type=WeightSync).latest()
             weights.load_into(model, weights.resolve(sync, weights_dir))  # sample with the newest policy
@@ -239,7 +239,9 @@ def test_sigterm_checkpoints_what_was_trained_and_exits_0(private_valkey, tmp_pa
     log = tmp_path / "trainer.log"
     proc = start_trainer(config, private_valkey.url, log)
     try:
-        wait_until(lambda: client.xlen(keys.policy) == 3, timeout=START, what="two steps", proc=proc, log=log)
+        wait_until(
+            lambda: client.xlen(keys.policy) == 3, timeout=START, what="two steps", watch=Watch(proc, log=log)
+        )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()[-3000:]
     finally:

@@ -10,7 +10,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -127,25 +126,3 @@ def policy_versions(client, stream: str) -> list[tuple[int, int]]:
     from schemas import WeightSync
 
     return [(e.version, e.step) for e in (entry_event(f, WeightSync) for _, f in client.xrange(stream))]
-
-
-def wait_until(
-    predicate, *, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
-) -> None:
-    """Poll ``predicate`` (cheap Redis reads) until true; fail with the log tail when the
-    time runs out or ``proc`` exits first (naming its exit code)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc is not None and (code := proc.poll()) is not None:
-            if predicate():  # it did what we waited for, then exited
-                return
-            raise AssertionError(
-                f"the process exited with code {code} while waiting for {what}\n{_tail(log)}"
-            )
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{_tail(log)}")
-        time.sleep(0.02)
-
-
-def _tail(log: Path | None, chars: int = 3000) -> str:
-    return log.read_text(errors="replace")[-chars:] if log and log.exists() else "(no log)"

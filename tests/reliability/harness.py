@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,21 +42,6 @@ def report(name: str, **figures) -> str:
         with open(path, "a") as f:
             f.write(json.dumps({"test": name, **figures}) + "\n")
     return line
-
-
-def wait_for(cond, *, timeout: float, what: str, logs: Procs | None = None, interval: float = 0.05):
-    """Poll ``cond`` until it returns something truthy; fail naming ``what`` (and log tails)
-    when the time runs out, or at once when a process of ``logs`` crashed meanwhile."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if value := cond():
-            return value
-        if logs and (crashed := logs.crashed()):
-            raise AssertionError(f"{crashed} while waiting for {what}\n{logs.tails()}")
-        if time.monotonic() > deadline:
-            tails = logs.tails() if logs else ""
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
-        time.sleep(interval)
 
 
 def rss_mb(pid: int) -> float:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from harness import report, run_config, wait_for
+from harness import report, run_config
 from trainer_data import make_group, publish
+from waits import wait_until
 
 from streamer.admission import Admission, Leases
 from streamer.connection import connect
@@ -67,7 +68,7 @@ def test_dead_letters_and_slotless_rejections_neither_wedge_nor_go_negative(
         lowest[0] = min(lowest[0], int(client.get(keys.admitted) or 0))
         return procs.procs["trainer"].poll() is not None
 
-    wait_for(done, timeout=240, what="the trainer's 4 steps", logs=procs)
+    wait_until(done, timeout=240, what="the trainer's 4 steps", watch=procs)
     assert procs.wait("trainer", 5) == 0, procs.tails()
     assert procs.stop("producer") == 0, procs.tails()
     admitted = int(client.get(keys.admitted))

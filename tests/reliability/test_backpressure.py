@@ -11,7 +11,8 @@ import threading
 
 import pytest
 from bounds import RUN, START
-from harness import audit, keep_everything, report, run_config, wait_for
+from harness import audit, keep_everything, report, run_config
+from waits import wait_until
 
 from consumers import checkpoint
 from streamer.bus import unacked
@@ -39,14 +40,14 @@ def test_run_completes_under_backpressure_with_rare_checkpoints(redis_url, keys,
     args = ("--config", str(config), "--redis-url", redis_url)
     for i in range(PRODUCERS):
         procs.start(f"producer-{i}", "produce", *args, "--id", f"p{i}")
-    wait_for(  # the trainer starts only once a producer is held back
+    wait_until(  # the trainer starts only once a producer is held back
         lambda: (
             unacked(client, keys.traj) >= MAX_UNACKED
             and any("backpressure:" in procs.log(f"producer-{i}") for i in range(PRODUCERS))
         ),
         timeout=START,
         what="producers filling the stream up to max_unacked and waiting",
-        logs=procs,
+        watch=procs,
     )
     peak, done = [0], threading.Event()
 

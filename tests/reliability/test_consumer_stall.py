@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 from bounds import RUN, START
-from harness import audit, keep_everything, report, run_config, wait_for
+from harness import audit, keep_everything, report, run_config
+from waits import wait_until
 
 from streamer.config import TrainerSection
 from streamer.connection import connect
@@ -54,25 +55,25 @@ def _stopped(pid: int) -> bool:
 def _stall(trainer, client, keys, procs, *, standby: bool, attempts: int = 20) -> dict:
     """SIGSTOP the trainer while it holds pending entries, past the claim idle time; resume."""
     for _ in range(attempts):
-        wait_for(
+        wait_until(
             lambda: len(_pending(client, keys, "trainer-0")) >= 2,
             timeout=60,
             what="the trainer holding pending entries",
-            logs=procs,
+            watch=procs,
         )
         os.kill(trainer.pid, signal.SIGSTOP)
-        wait_for(lambda: _stopped(trainer.pid), timeout=10, what="the trainer stopped", logs=procs)
+        wait_until(lambda: _stopped(trainer.pid), timeout=10, what="the trainer stopped", watch=procs)
         held = _pending(client, keys, "trainer-0")
         if held:
             break
         os.kill(trainer.pid, signal.SIGCONT)  # it acknowledged everything just before: again
     else:
         raise AssertionError("could not stop the trainer while it held pending entries")
-    wait_for(  # the stall: until the server counts every held entry idle for STALL seconds
+    wait_until(  # the stall: until the server counts every held entry idle for STALL seconds
         lambda: min(_idle_ms(client, keys, "trainer-0"), default=0) >= STALL * 1000,
         timeout=60,
         what=f"the held entries idle for {STALL} s",
-        logs=procs,
+        watch=procs,
     )
     claimed = []
     if standby:  # what a second consumer's Consumer.read() does first: XAUTOCLAIM idle entries
@@ -83,11 +84,11 @@ def _stall(trainer, client, keys, procs, *, standby: bool, attempts: int = 20) -
     os.kill(trainer.pid, signal.SIGCONT)
     resumed = time.monotonic()
     if standby:
-        wait_for(
+        wait_until(
             lambda: not _pending(client, keys, "standby"),
             timeout=30,
             what="the trainer taking back or acknowledging the claimed entries",
-            logs=procs,
+            watch=procs,
         )
     return {"held": len(held), "claimed": claimed, "cleared_after": round(time.monotonic() - resumed, 2)}
 
@@ -108,7 +109,7 @@ def test_trainer_stalled_past_claim_idle_trains_its_entries_once(redis_url, keys
     args = ("--config", str(config), "--redis-url", redis_url)
     procs.start("producer", "produce", *args, "--id", "p0")
     trainer = procs.start("trainer", "train", *args)
-    wait_for(lambda: client.xlen(keys.policy) >= 3, timeout=START, what="2 trainer steps", logs=procs)
+    wait_until(lambda: client.xlen(keys.policy) >= 3, timeout=START, what="2 trainer steps", watch=procs)
     alone = _stall(trainer, client, keys, procs, standby=False)
     taken = _stall(trainer, client, keys, procs, standby=True)
     assert procs.wait("trainer", RUN) == 0, procs.tails()

@@ -17,9 +17,10 @@ import uuid
 
 import pytest
 from bounds import RUN, START
-from harness import report, run_config, wait_for
+from harness import report, run_config
 from needs import need
 from trainer_data import make_group, publish
+from waits import wait_until
 
 from consumers import checkpoint
 from consumers.learner import Learner
@@ -136,11 +137,11 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
     # 1. the disk fills up while the trainer waits after its first checkpoint: with room for
     #    a policy version but not a checkpoint, the step-4 checkpoint fails mid-write
     procs.start("trainer", "train", *args)
-    wait_for(
+    wait_until(
         lambda: checkpoint.latest(ckpt_dir) is not None and unacked(client, keys.traj) == 0,
         timeout=START,
         what="the step-2 checkpoint, everything acknowledged",
-        logs=procs,
+        watch=procs,
     )
     _fill(small_disk, leave=LEAVE)
     publish(client, keys.traj, groups[4:12])
@@ -155,7 +156,7 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
         f.unlink()
     mark = len(procs.log("trainer"))
     procs.start("trainer", "train", *args)
-    wait_for(
+    wait_until(
         lambda: (  # latest() is None for a moment while the trainer prunes the old one
             (latest := checkpoint.latest(ckpt_dir)) is not None
             and latest[1].name != full["latest_loads"]
@@ -163,9 +164,9 @@ def test_disk_full_then_read_only(small_disk, redis_url, keys: Keys, procs, tmp_
         ),
         timeout=START,
         what="a checkpoint after the resume, everything acknowledged",
-        logs=procs,
+        watch=procs,
     )
-    wait_for(
+    wait_until(
         lambda: _remount_read_only(small_disk),
         timeout=20,
         interval=0.01,

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import torch
 from bounds import START
-from harness import audit, keep_everything, report, rss_mb, run_config, wait_for
+from harness import audit, keep_everything, report, rss_mb, run_config
 from payloads import (
     COMMON,
     VOCAB,
@@ -31,6 +31,7 @@ from payloads import (
     valid_metrics,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from waits import wait_until
 
 from consumers import checkpoint
 from consumers.filters import GroupFilter, unusable
@@ -110,11 +111,11 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
     warm = [entry(valid_group(rng)) for _ in range(8)]
     _publish(client, keys.traj, warm)
     _publish(client, keys.metrics, [entry(valid_metrics(rng, i)) for i in range(50)])
-    wait_for(
+    wait_until(
         lambda: client.xlen(keys.policy) >= 3 and _events_applied(port) >= 50,
         timeout=START,
         what="2 trainer steps and 50 metrics events applied",
-        logs=procs,
+        watch=procs,
     )
     rss = {"trainer": [rss_mb(trainer.pid)], "metrics": [rss_mb(exporter.pid)]}
 
@@ -138,11 +139,11 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
             ids = _publish(client, stream_of[name], [fields for _, fields in mixed])
             bad_ids[name] += [i for i, (is_good, _) in zip(ids, mixed) if not is_good]
         total_bad = len(bad_ids["traj"]) + len(bad_ids["metrics"])
-        wait_for(
+        wait_until(
             lambda n=total_bad: client.xlen(keys.dead) >= n,
             timeout=240,
             what=f"{total_bad} dead letters (half {half})",
-            logs=procs,
+            watch=procs,
         )
         rss["trainer"].append(rss_mb(trainer.pid))
         rss["metrics"].append(rss_mb(exporter.pid))
@@ -156,7 +157,7 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
     _publish(client, keys.metrics, met_mutants)
     applied_expected += len(met_mutants)
     steps = (accepted + extra) // TRAINER["groups_per_step"]
-    wait_for(
+    wait_until(
         lambda: (
             client.xlen(keys.policy) >= 1 + steps
             and unacked(client, keys.traj) == 0
@@ -164,7 +165,7 @@ def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, 
         ),
         timeout=120,
         what=f"{steps} steps, every trajectory acknowledged, {applied_expected} events applied",
-        logs=procs,
+        watch=procs,
     )
     alive = trainer.poll() is None and exporter.poll() is None
     exits = [procs.stop("trainer"), procs.stop("metrics")]

@@ -15,8 +15,9 @@ import random
 import shutil
 
 import pytest
-from harness import report, run_config, wait_for
+from harness import report, run_config
 from trainer_data import make_group, policy_versions, publish
+from waits import wait_until
 
 from consumers import checkpoint
 from schemas import MetricsEvent
@@ -48,8 +49,8 @@ def test_a_server_that_lost_its_data_reuses_no_version_and_prunes_nothing_new(
     client = connect(url)
     publish(client, keys.traj, _groups(rng, 8))
     procs.start("trainer", "train", *args)
-    wait_for(
-        lambda: (f := checkpoint.latest(ckpts)) and f[1].step == 4, timeout=180, what="step 4", logs=procs
+    wait_until(
+        lambda: (f := checkpoint.latest(ckpts)) and f[1].step == 4, timeout=180, what="step 4", watch=procs
     )
     before = checkpoint.latest(ckpts)[1]
     procs.procs["trainer"].kill()
@@ -62,12 +63,12 @@ def test_a_server_that_lost_its_data_reuses_no_version_and_prunes_nothing_new(
     assert client.dbsize() == 0
     publish(client, keys.traj, _groups(rng, 4))
     procs.start("trainer2", "train", *args)
-    wait_for(lambda: client.get(keys.version) == b"7", timeout=180, what="version 7", logs=procs)
+    wait_until(lambda: client.get(keys.version) == b"7", timeout=180, what="version 7", watch=procs)
     log = procs.log("trainer2")
     assert "the server lost its data" in log and f"resumes from {before.name}" in log, log[-3000:]
     versions = [v for v, _ in policy_versions(client, keys.policy)]
     assert versions == [5, 6, 7], versions  # one past the checkpoint's v4: no number reused
-    wait_for(lambda: weights.versions(wdir)[-1:] == [7], timeout=30, what="v7 on disk")
+    wait_until(lambda: weights.versions(wdir)[-1:] == [7], timeout=30, what="v7 on disk")
     assert client.hget(keys.run_marker, "resumed_from") == before.name.encode()
     procs.stop("trainer2")
     newest = checkpoint.latest(ckpts)[1]
@@ -91,20 +92,20 @@ def test_staleness_after_a_restore_is_the_distance_along_the_version_tree(privat
     client = connect(url)
     procs.start("trainer", "train", *args)
     for v in range(4):  # 4 steps on fresh groups: v1..v4, never checkpointed
-        wait_for(
-            lambda v=v: client.get(keys.version) == str(v).encode(), timeout=180, what=f"v{v}", logs=procs
+        wait_until(
+            lambda v=v: client.get(keys.version) == str(v).encode(), timeout=180, what=f"v{v}", watch=procs
         )
         publish(client, keys.traj, _groups(rng, 2, version=v))
-    wait_for(lambda: client.get(keys.version) == b"4", timeout=180, what="version 4", logs=procs)
+    wait_until(lambda: client.get(keys.version) == b"4", timeout=180, what="version 4", watch=procs)
     procs.procs["trainer"].kill()  # crash: v1..v4 are discarded, the restart restores step 0
     procs.procs["trainer"].wait(30)
     client.delete(keys.traj)  # only the groups below are judged (not the retraining of v0..v3's)
     procs.start("trainer2", "train", *args)
-    wait_for(lambda: client.get(keys.version) == b"5", timeout=120, what="version 5", logs=procs)
+    wait_until(lambda: client.get(keys.version) == b"5", timeout=120, what="version 5", watch=procs)
     assert policy_versions(client, keys.policy)[-1] == (5, 0)  # the initial weights, renumbered
     # v4: 1 version number from v5 but 4 steps down a discarded branch; v0: 5 numbers, 0 steps
     publish(client, keys.traj, [*_groups(rng, 1, version=4), *_groups(rng, 2, version=0)])
-    wait_for(lambda: client.get(keys.version) == b"6", timeout=120, what="version 6", logs=procs)
+    wait_until(lambda: client.get(keys.version) == b"6", timeout=120, what="version 6", watch=procs)
     procs.stop("trainer2")
     last = _train_metrics(client, keys)[-1]
     report(

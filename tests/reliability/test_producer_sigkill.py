@@ -15,7 +15,8 @@ from collections import Counter
 
 import pytest
 from bounds import RUN, START
-from harness import report, run_config, wait_for
+from harness import report, run_config
+from waits import wait_until
 
 from schemas import TrajectoryGroup
 from streamer.bus import entry_event
@@ -68,13 +69,13 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
         names = [f"w{wave}v{i}" for i in range(victims)]
         for name in names:
             procs.start(name, "produce", "--config", str(config), "--redis-url", redis_url, "--id", name)
-        wait_for(
+        wait_until(
             lambda n=held_before + victims, names=names: (
                 len(backend.held) >= n and _holding(client, keys, names)
             ),
             timeout=START,
             what=f"wave {wave}: {victims} producers stuck mid-row",
-            logs=procs,
+            watch=procs,
         )
         for name in rng.sample(names, len(names)):
             owned = _leases_of(client, keys, name)
@@ -128,7 +129,7 @@ def _wait_expired(client, keys: Keys, tickets: set[int], procs) -> None:
         scores = [client.zscore(keys.leases, t) for t in tickets]
         return all(s is None or s < now for s in scores)
 
-    wait_for(expired, timeout=30, what=f"the leases of tickets {sorted(tickets)} to expire", logs=procs)
+    wait_until(expired, timeout=30, what=f"the leases of tickets {sorted(tickets)} to expire", watch=procs)
 
 
 def _leases_of(client, keys: Keys, owner: str) -> set[int]:

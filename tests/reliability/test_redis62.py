@@ -11,7 +11,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from harness import report, run_config, wait_for
+from harness import report, run_config
+from waits import wait_until
 
 from streamer.connection import check_server, connect
 from streamer.keys import Keys
@@ -52,7 +53,9 @@ def test_a_short_run_on_redis_6_2(redis62, procs, inference, tmp_path):
     procs.start("producer", "produce", *args, "--id", "p0")
     procs.start("trainer", "train", *args)
     assert procs.wait("trainer", 240) == 0, procs.tails()
-    wait_for(lambda: procs.procs["metrics"].poll() is None, timeout=5, what="the exporter alive", logs=procs)
+    wait_until(
+        lambda: procs.procs["metrics"].poll() is None, timeout=5, what="the exporter alive", watch=procs
+    )
     assert procs.stop("producer") == 0 and procs.stop("metrics") == 0, procs.tails()
     assert "Traceback" not in procs.tails(100_000), procs.tails()
     report("redis-6.2", server=client.info("server")["redis_version"], versions=client.xlen(keys.policy))

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 from bounds import RUN, START
-from harness import keep_everything, report, run_config, wait_for
+from harness import keep_everything, report, run_config
 from needs import need, need_tool
 from trainer_data import REPO
+from waits import wait_until
 
 from streamer import models
 from streamer.config import MetricsSection, ModelSection
@@ -55,7 +56,7 @@ def _server(argv: list[str], url: str, log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        wait_for(lambda: proc.poll() is not None or _answers(url), timeout=15, what=f"server {argv[0]}")
+        wait_until(lambda: proc.poll() is not None or _answers(url), timeout=15, what=f"server {argv[0]}")
     except AssertionError:
         proc.kill()
         raise
@@ -228,7 +229,7 @@ def test_tls_and_acl_for_real_processes_without_leaking_the_secret(tls_redis, pr
         procs.start(name, role, "--config", str(config), log_level="DEBUG")
     assert procs.wait("producer", RUN) == 0, procs.tails()
     assert procs.wait("trainer", RUN) == 0, procs.tails()
-    wait_for(lambda: _listening_address(port), timeout=START, what="the exporter listening", logs=procs)
+    wait_until(lambda: _listening_address(port), timeout=START, what="the exporter listening", watch=procs)
     bound = _listening_address(port)
     page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     table = _cli("status", "--config", str(config), cwd=tmp_path)

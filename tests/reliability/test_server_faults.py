@@ -19,14 +19,8 @@ import time
 import pytest
 import redis
 from bounds import RUN, START
-from harness import (
-    audit,
-    keep_everything,
-    policy_version_list,
-    report,
-    run_config,
-    wait_for,
-)
+from harness import audit, keep_everything, policy_version_list, report, run_config
+from waits import wait_until
 
 from consumers import checkpoint
 from schemas import MetricsEvent
@@ -120,13 +114,15 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
     writer.start()
     # the evaluator first (it loads a model, then scores version 0); then the rest
     procs.start("eval", "eval", "--config", str(config), "--redis-url", url)
-    wait_for(lambda: _evaluated(client, keys), timeout=START, what="the evaluator's first score", logs=procs)
+    wait_until(
+        lambda: _evaluated(client, keys), timeout=START, what="the evaluator's first score", watch=procs
+    )
     _start_pipeline(procs, url, config, free_port())
-    wait_for(
+    wait_until(
         lambda: client.xlen(keys.policy) >= 4 and set(NAMES.values()) <= _client_names(client),
         timeout=START,
         what="3 trainer steps and every process connected",
-        logs=procs,
+        watch=procs,
     )
     before = {"policy": client.xlen(keys.policy), "traj": client.xlen(keys.traj)}
     assert before["traj"] < groups, "the producer finished before the restart: nothing to test"
@@ -181,7 +177,7 @@ def test_appendfsync_everysec_loss_is_counted(tmp_path):
         for r in range(rounds):
             writer = AckedWriter(server.url, f"everysec:{r}", interval=0.0)
             writer.start()
-            wait_for(lambda w=writer: len(w.acked) >= 2000, timeout=30, what="2000 acknowledged writes")
+            wait_until(lambda w=writer: len(w.acked) >= 2000, timeout=30, what="2000 acknowledged writes")
             killed_at = time.monotonic()
             server.kill()  # mid-stream: the writer is sending as fast as it can
             writer.done.set()
@@ -230,11 +226,11 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
     )
     _start_pipeline(procs, url, config, free_port())  # the evaluator's outages: the restart test
     names = {r: n for r, n in NAMES.items() if r != "eval"}
-    wait_for(
+    wait_until(
         lambda: client.xlen(keys.policy) >= 3 and set(names.values()) <= _client_names(client),
         timeout=START,
         what="2 trainer steps and every process connected",
-        logs=procs,
+        watch=procs,
     )
     marks = {n: len(procs.log(n)) for n in names}
     before = {"policy": client.xlen(keys.policy), "traj": client.xlen(keys.traj)}
@@ -245,11 +241,11 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
     finally:
         os.kill(private_valkey.proc.pid, signal.SIGCONT)
     resumed = time.monotonic()
-    wait_for(
+    wait_until(
         lambda: client.xlen(keys.policy) > before["policy"] and client.xlen(keys.traj) > before["traj"],
         timeout=60,
         what="new versions and groups after the outage",
-        logs=procs,
+        watch=procs,
     )
     continued_after = round(time.monotonic() - resumed, 2)
     assert procs.wait("trainer", RUN) == 0, procs.tails()

@@ -20,8 +20,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from harness import report, wait_for
+from harness import report
 from trainer_data import REPO
+from waits import wait_until
 
 from consumers import checkpoint
 
@@ -89,7 +90,7 @@ def run_pids(marker: str) -> dict[int, str]:
 
 def _wait_for_training(data_dir: Path, term: Terminal) -> None:
     weights = data_dir / "demo" / "weights"
-    wait_for(
+    wait_until(
         lambda: weights.is_dir() and len(list(weights.glob("v*"))) >= 3 or term.proc.poll() is not None,
         timeout=300,
         what="3 policy versions",
@@ -120,7 +121,7 @@ def test_up_in_a_terminal_stops_in_order_and_leaves_nothing(tmp_path, how):
     finally:
         if term.proc.poll() is None:
             os.killpg(term.proc.pid, signal.SIGKILL)
-    wait_for(lambda: not run_pids(str(data_dir)), timeout=30, what="no process of the run left")
+    wait_until(lambda: not run_pids(str(data_dir)), timeout=30, what="no process of the run left")
     step = _assert_final_checkpoint(data_dir)
     assert code in (0, 130), term.text()[-3000:]
     if how == "ctrl-c":
@@ -137,7 +138,7 @@ def test_up_killed_outright_takes_its_children_with_it(tmp_path):
         assert len(before) == 7, before
         term.proc.kill()  # no chance to stop anything: the kernel tells the children
         term.proc.wait(30)
-        wait_for(
+        wait_until(
             lambda: not run_pids(str(data_dir)),
             timeout=90,
             what=f"every child of the killed `up` to exit; left: {run_pids(str(data_dir))}",

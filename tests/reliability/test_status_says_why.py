@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from harness import report, run_config, wait_for
+from harness import report, run_config
 from trainer_data import REPO, make_group, publish
+from waits import wait_until
 
 from streamer.admission import Admission, Leases
 from streamer.connection import connect
@@ -38,17 +39,20 @@ def test_status_names_each_reason_a_run_is_stuck(private_valkey, procs, tmp_path
     )
     client = connect(url)
     procs.start("trainer", "train", "--config", str(config), "--redis-url", url)
-    wait_for(
-        lambda: client.hget(keys.run_marker, "trainer") == b"running", timeout=120, what="trainer", logs=procs
+    wait_until(
+        lambda: client.hget(keys.run_marker, "trainer") == b"running",
+        timeout=120,
+        what="trainer",
+        watch=procs,
     )
 
-    wait_for(lambda: _status(config, url)[0] == 1, timeout=30, what="a stall")
+    wait_until(lambda: _status(config, url)[0] == 1, timeout=30, what="a stall")
     code, out = _status(config, url)
     assert code == 1 and "no live producers (0 known)" in out, out
     seen = {"no_producers": code}
 
     publish(client, keys.traj, [make_group(rng, rewards=(0.0,) * 4) for _ in range(6)])
-    wait_for(
+    wait_until(
         lambda: client.hget(keys.rejected_since_step, "zero_variance") == b"6", timeout=30, what="rejections"
     )
     code, out = _status(config, url)
@@ -66,7 +70,9 @@ def test_status_names_each_reason_a_run_is_stuck(private_valkey, procs, tmp_path
     seen["window_full"] = code
 
     publish(client, keys.traj, [make_group(rng) for _ in range(2)])
-    wait_for(lambda: (tmp_path / "data" / keys.run / "checkpoints").is_dir(), timeout=60, what="a checkpoint")
+    wait_until(
+        lambda: (tmp_path / "data" / keys.run / "checkpoints").is_dir(), timeout=60, what="a checkpoint"
+    )
     assert procs.stop("trainer") == 0, procs.tails()
     for key in client.scan_iter(match=keys.all_keys_pattern()):  # the server loses the run
         client.delete(key)

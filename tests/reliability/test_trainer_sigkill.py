@@ -14,14 +14,8 @@ import time
 
 import pytest
 from bounds import RUN, START
-from harness import (
-    audit,
-    keep_everything,
-    policy_version_list,
-    report,
-    run_config,
-    wait_for,
-)
+from harness import audit, keep_everything, policy_version_list, report, run_config
+from waits import wait_until
 
 from consumers import checkpoint
 from streamer.config import TrainerSection
@@ -57,14 +51,14 @@ def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, 
         restores += checkpoint.latest(ckpt_dir) is not None
         trainer = procs.start("trainer", "train", "--config", str(config), "--redis-url", url)
         target = before + 1 + rng.randint(1, 3)  # its first version (the restored weights), then 1-3 steps
-        wait_for(  # the first kill waits for a checkpoint too: every restart resumes from one
+        wait_until(  # the first kill waits for a checkpoint too: every restart resumes from one
             lambda t=target, p=trainer, k=kill: (
                 (client.xlen(keys.policy) >= t and (k > 0 or checkpoint.latest(ckpt_dir) is not None))
                 or p.poll() is not None
             ),
             timeout=START,
             what=f"kill {kill}: {target} policy versions" + ("" if kill else " and a checkpoint"),
-            logs=procs,
+            watch=procs,
         )
         assert trainer.poll() is None, f"the trainer exited before kill {kill}\n{procs.tails()}"
         time.sleep(rng.uniform(0.0, 0.1))  # a random point of the step / version / checkpoint cycle

@@ -6,8 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from harness import report, run_config, wait_for
+from harness import report, run_config
 from trainer_data import make_group, publish
+from waits import wait_until
 
 from streamer.connection import connect
 from streamer.keys import Keys
@@ -26,14 +27,14 @@ def test_rejected_groups_are_trimmed_without_a_checkpoint(private_valkey, procs,
     )
     client = connect(url)
     procs.start("trainer", "train", "--config", str(config), "--redis-url", url)
-    wait_for(
-        lambda: client.xlen(keys.policy) >= 1, timeout=120, what="the trainer's first version", logs=procs
+    wait_until(
+        lambda: client.xlen(keys.policy) >= 1, timeout=120, what="the trainer's first version", watch=procs
     )
     peak = 0
     for _ in range(10):  # 10 waves of 50 all-zero-reward groups
         publish(client, keys.traj, [make_group(rng, rewards=(0.0, 0.0, 0.0, 0.0)) for _ in range(50)])
         peak = max(peak, client.xlen(keys.traj))
-    wait_for(lambda: client.xlen(keys.traj) < 50, timeout=60, what="rejected groups trimmed", logs=procs)
+    wait_until(lambda: client.xlen(keys.traj) < 50, timeout=60, what="rejected groups trimmed", watch=procs)
     added = client.xinfo_stream(keys.traj)["entries-added"]
     assert procs.stop("trainer") == 0, procs.tails()
     report(
