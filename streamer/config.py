@@ -12,7 +12,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -24,13 +24,16 @@ from streamer.keys import Keys
 URL_ENV = "STREAMER_REDIS_URL"
 
 
+# bounds checked where the types are: by the decoder, and by replace() (CLI overrides)
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    def _positive(self, *names: str, allow_zero: bool = False) -> None:
-        for name in names:
-            value = getattr(self, name)
-            if value < 0 or (value == 0 and not allow_zero):
-                bound = ">= 0" if allow_zero else "> 0"
-                raise ValueError(f"`{name}` must be {bound}, got {value}")
+    pass
 
 
 class RunSection(_Section):
@@ -47,16 +50,12 @@ class RunSection(_Section):
 
 
 class LoraSection(_Section):
-    rank: int = 0  # LoRA rank r; 0 = train all weights (no adapter)
-    alpha: float = 32.0  # LoRA scale numerator: the update is (alpha / rank) * B A
+    rank: NonNegInt = 0  # LoRA rank r; 0 = train all weights (no adapter)
+    alpha: PosFloat = 32.0  # LoRA scale numerator: the update is (alpha / rank) * B A
     target_modules: list[str] = []  # module names to adapt; empty = every linear layer but the head
-    dropout: float = 0.0  # dropout on the adapter's input during updates (proximal pass: none)
-
-    def __post_init__(self) -> None:
-        self._positive("rank", "dropout", allow_zero=True)
-        self._positive("alpha")
-        if self.dropout >= 1:
-            raise ValueError(f"`dropout` must be < 1, got {self.dropout}")
+    dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = (
+        0.0  # dropout on the adapter's input (proximal pass: none)
+    )
 
 
 class ModelSection(_Section):
@@ -70,17 +69,15 @@ class ModelSection(_Section):
 
 
 class BusSection(_Section):
-    max_unacked: int = 256  # publishing waits while the trajectory stream holds more unacked
-    backpressure_timeout: float = 600.0  # give up (error) after waiting this long for room
-    block_seconds: float = 2.0  # XREADGROUP/XREAD block time
+    max_unacked: PosInt = 256  # publishing waits while the trajectory stream holds more unacked
+    backpressure_timeout: PosFloat = 600.0  # give up (error) after waiting this long for room
+    block_seconds: PosFloat = 2.0  # XREADGROUP/XREAD block time
     socket_timeout: float = 10.0  # must exceed block_seconds (checked)
-    claim_idle_seconds: float = 60.0  # pending entries idle this long are claimed by others
-    max_deliveries: int = 5  # entries delivered more often go to the dead-letter stream
-    read_count: int = 64  # entries per XREADGROUP
+    claim_idle_seconds: PosFloat = 60.0  # pending entries idle this long are claimed by others
+    max_deliveries: PosInt = 5  # entries delivered more often go to the dead-letter stream
+    read_count: PosInt = 64  # entries per XREADGROUP
 
     def __post_init__(self) -> None:
-        self._positive("max_unacked", "backpressure_timeout", "block_seconds", "read_count")
-        self._positive("claim_idle_seconds", "max_deliveries")
         if self.socket_timeout <= self.block_seconds:
             raise ValueError(
                 f"`socket_timeout` ({self.socket_timeout}) must exceed "
@@ -90,40 +87,34 @@ class BusSection(_Section):
 
 class ProducerSection(_Section):
     dataset: str = "demo"  # JSONL file of prompts; "demo" = the built-in task
-    group_size: int = 8  # completions per prompt (G)
-    min_group_size: int = 2  # fewer good samples than this: the group is not published
-    max_new_tokens: int = 16  # completion length cap
-    temperature: float = 1.0  # sampling temperature
-    top_p: float = 1.0  # nucleus sampling
+    group_size: PosInt = 8  # completions per prompt (G)
+    min_group_size: PosInt = 2  # fewer good samples than this: the group is not published
+    max_new_tokens: PosInt = 16  # completion length cap
+    temperature: PosFloat = 1.0  # sampling temperature
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0  # nucleus sampling
     sampler: Literal["local", "remote"] = "local"  # transformers in-process, or an HTTP server
     remote_url: str = ""  # OpenAI-compatible server base URL (remote sampler)
     remote_model: str = ""  # model name sent to the server; empty = model.name_or_path
-    remote_timeout: float = 120.0  # per HTTP request
-    remote_retries: int = 3  # bounded retries with backoff
-    remote_concurrency: int = 8  # in-flight requests per producer
+    remote_timeout: PosFloat = 120.0  # per HTTP request
+    remote_retries: NonNegInt = 3  # bounded retries with backoff
+    remote_concurrency: PosInt = 8  # in-flight requests per producer
     reload_endpoint: str = "/update_weights_from_disk"  # POSTed on new weights (SGLang)
     lora_endpoint: str = "/v1/load_lora_adapter"  # POSTed on a new LoRA adapter version (vLLM, SGLang)
     remote_logprobs: Literal["raw", "processed"] = "raw"  # what the server reports: see below
     reward: str = ""  # "module:function" (row, text, sample) -> float; "" = demo reward / exact_match
-    lease_seconds: float = 60.0  # row lease; renewed while working, expired rows are re-issued
-    epochs: int = 0  # stop after this many passes over the dataset; 0 = forever
-    max_groups: int = 0  # stop after publishing this many groups; 0 = forever
-    shutdown_grace: float = 30.0  # on SIGTERM: finish or hand back the current row within this
-    torch_threads: int = 0  # torch CPU threads of a local sampler; 0 = torch's default
+    lease_seconds: PosFloat = 60.0  # row lease; renewed while working, expired rows are re-issued
+    epochs: NonNegInt = 0  # stop after this many passes over the dataset; 0 = forever
+    max_groups: NonNegInt = 0  # stop after publishing this many groups; 0 = forever
+    shutdown_grace: PosFloat = 30.0  # on SIGTERM: finish or hand back the current row within this
+    torch_threads: NonNegInt = 0  # torch CPU threads of a local sampler; 0 = torch's default
     rollout: str = ""  # "module:function" async (row, ctx) -> episodes; "" = single-turn render/sample/reward
-    concurrency: int = 1  # rollouts (rows) in flight at once, each with its own lease and admission slot
-    rollout_timeout: float = 0.0  # cancel a rollout running longer (its row is handed back); 0 = never
-    max_row_attempts: int = 3  # skip a row after this many failed rollouts (error, timeout, crash); 0 = never
+    concurrency: PosInt = 1  # rollouts (rows) in flight at once, each with its own lease and admission slot
+    rollout_timeout: NonNegFloat = 0.0  # cancel a rollout running longer (its row is handed back); 0 = never
+    max_row_attempts: NonNegInt = (
+        3  # skip a row after this many failed rollouts (error, timeout, crash); 0 = never
+    )
 
     def __post_init__(self) -> None:
-        self._positive("group_size", "min_group_size", "max_new_tokens", "lease_seconds")
-        self._positive("temperature", "top_p", "remote_timeout", "remote_concurrency")
-        self._positive("remote_retries", "epochs", "max_groups", allow_zero=True)
-        self._positive("shutdown_grace")
-        self._positive("torch_threads", "rollout_timeout", "max_row_attempts", allow_zero=True)
-        self._positive("concurrency")
-        if self.top_p > 1:
-            raise ValueError(f"`top_p` must be <= 1, got {self.top_p}")
         if self.min_group_size > self.group_size:
             raise ValueError("`min_group_size` must be <= `group_size`")
         if self.sampler == "remote" and not self.remote_url:
@@ -138,30 +129,22 @@ class ProducerSection(_Section):
             )
 
 
-class _ClipSection(_Section):
-    def __post_init__(self) -> None:
-        self._positive("eps_low", "eps_high", allow_zero=True)
+class DapoSection(_Section):
+    eps_low: NonNegFloat = 0.2  # (dapo) ratio >= 1 - eps_low
+    eps_high: NonNegFloat = 0.28  # (dapo) ratio <= 1 + eps_high: clip-higher, wider than eps_low
+    eps_clip_c: Annotated[float, msgspec.Meta(gt=1)] = (
+        3.0  # (dapo) dual clip: a negative-advantage token's term is bounded at c*A
+    )
 
 
-class DapoSection(_ClipSection):
-    eps_low: float = 0.2  # (dapo) ratio >= 1 - eps_low
-    eps_high: float = 0.28  # (dapo) ratio <= 1 + eps_high: clip-higher, wider than eps_low
-    eps_clip_c: float = 3.0  # (dapo) dual clip: a negative-advantage token's term is bounded at c*A
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.eps_clip_c <= 1:
-            raise ValueError(f"`eps_clip_c` must be > 1, got {self.eps_clip_c}")
+class GspoSection(_Section):
+    eps_low: NonNegFloat = 3e-4  # (gspo) sequence ratio >= 1 - eps_low
+    eps_high: NonNegFloat = 4e-4  # (gspo) sequence ratio <= 1 + eps_high
 
 
-class GspoSection(_ClipSection):
-    eps_low: float = 3e-4  # (gspo) sequence ratio >= 1 - eps_low
-    eps_high: float = 4e-4  # (gspo) sequence ratio <= 1 + eps_high
-
-
-class CispoSection(_ClipSection):
-    eps_low: float = 1.0  # (cispo) IS weight >= 1 - eps_low (1 = no lower bound)
-    eps_high: float = 4.0  # (cispo) IS weight <= 1 + eps_high
+class CispoSection(_Section):
+    eps_low: NonNegFloat = 1.0  # (cispo) IS weight >= 1 - eps_low (1 = no lower bound)
+    eps_high: NonNegFloat = 4.0  # (cispo) IS weight <= 1 + eps_high
 
 
 Precision = Literal["auto", "float32", "bfloat16", "float16"]
@@ -180,35 +163,35 @@ ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo")
 
 
 class TrainerSection(_Section):
-    groups_per_step: int = 8  # accepted groups per trainer step
-    max_staleness: int = 1  # versions a group may lag the policy; 0 = synchronous on-policy
-    steps: int = 0  # stop after this many steps; 0 = forever
-    lr: float = 1e-5  # AdamW learning rate
-    warmup_steps: int = 0  # linear LR warmup, in optimizer steps
+    groups_per_step: PosInt = 8  # accepted groups per trainer step
+    max_staleness: NonNegInt = 1  # versions a group may lag the policy; 0 = synchronous on-policy
+    steps: NonNegInt = 0  # stop after this many steps; 0 = forever
+    lr: PosFloat = 1e-5  # AdamW learning rate
+    warmup_steps: NonNegInt = 0  # linear LR warmup, in optimizer steps
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup (consumers/schedule.py)
-    lr_decay_steps: int = 0  # optimizer steps from 0 to the end of decay; 0 = steps * ppo_minibatches
-    min_lr_ratio: float = 0.0  # the decayed LR's floor, as a fraction of lr
-    weight_decay: float = 0.01  # AdamW weight decay
-    grad_clip: float = 1.0  # max global grad norm
-    ppo_minibatches: int = 1  # optimizer steps per trainer step (the batch split in row slices)
-    eps_low: float = 0.2  # PPO clip: ratio >= 1 - eps_low
-    eps_high: float = 0.2  # PPO clip: ratio <= 1 + eps_high
-    tis_cap: float = 5.0  # truncated importance weight cap against sampler log-probs
-    kl_coef: float = 0.0  # k3 KL to the frozen initial model; 0 = no reference model
+    lr_decay_steps: NonNegInt = 0  # optimizer steps from 0 to the end of decay; 0 = steps * ppo_minibatches
+    min_lr_ratio: Fraction = 0.0  # the decayed LR's floor, as a fraction of lr
+    weight_decay: NonNegFloat = 0.01  # AdamW weight decay
+    grad_clip: PosFloat = 1.0  # max global grad norm
+    ppo_minibatches: PosInt = 1  # optimizer steps per trainer step (the batch split in row slices)
+    eps_low: NonNegFloat = 0.2  # PPO clip: ratio >= 1 - eps_low
+    eps_high: NonNegFloat = 0.2  # PPO clip: ratio <= 1 + eps_high
+    tis_cap: PosFloat = 5.0  # truncated importance weight cap against sampler log-probs
+    kl_coef: NonNegFloat = 0.0  # k3 KL to the frozen initial model; 0 = no reference model
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"  # loss aggregation
     std_normalize: bool = True  # divide advantages by the group std (floored)
-    std_floor: float = 1e-4  # floor of the group std
+    std_floor: PosFloat = 1e-4  # floor of the group std
     overlong: Literal["drop", "mask", "keep"] = "drop"  # samples truncated without EOS
     user_filter: str = ""  # import path of (group) -> bool; false rejects the group
-    checkpoint_every: int = 10  # steps between checkpoints (and at exit)
-    keep_versions: int = 3  # weight versions kept on disk
+    checkpoint_every: PosInt = 10  # steps between checkpoints (and at exit)
+    keep_versions: PosInt = 3  # weight versions kept on disk
     gradient_checkpointing: bool = False  # trade compute for memory
-    min_group_size: int = 2  # fewer samples (after dropping over-long ones) rejects the group
-    micro_batch_size: int = 0  # samples per forward/backward (grad accumulation); 0 = whole minibatch
-    keep_checkpoints: int = 2  # full checkpoints kept; older ones keep only their audit metadata
+    min_group_size: PosInt = 2  # fewer samples (after dropping over-long ones) rejects the group
+    micro_batch_size: NonNegInt = 0  # samples per forward/backward (grad accumulation); 0 = whole minibatch
+    keep_checkpoints: PosInt = 2  # full checkpoints kept; older ones keep only their audit metadata
     loss: LossName = "grpo"  # grpo, dapo, gspo, cispo, reinforce, importance_sampling (table below)
     advantage: str = "grpo"  # grpo (z-score), dr_grpo (no std), rloo (leave one out) or module:function
-    max_seq_len: int = (
+    max_seq_len: NonNegInt = (
         0  # samples (prompt + completion) longer: dropped by producers, rejected here (too_long); 0 = off
     )
     precision: Precision = "auto"  # autocast dtype; auto = model.dtype if half; weights stay float32
@@ -217,18 +200,10 @@ class TrainerSection(_Section):
     cispo: CispoSection = msgspec.field(default_factory=CispoSection)  # read when loss = "cispo"
 
     def __post_init__(self) -> None:
-        self._positive("groups_per_step", "lr", "grad_clip", "ppo_minibatches", "tis_cap")
-        self._positive("checkpoint_every", "keep_versions", "std_floor")
-        self._positive("min_group_size", "keep_checkpoints")
-        self._positive("micro_batch_size", "max_seq_len", "lr_decay_steps", "min_lr_ratio", allow_zero=True)
-        if self.min_lr_ratio > 1:
-            raise ValueError(f"`min_lr_ratio` must be <= 1, got {self.min_lr_ratio}")
         if self.lr_schedule != "constant" and not (self.lr_decay_steps or self.steps):
             raise ValueError(
                 f"`lr_schedule` = {self.lr_schedule!r} needs a length: set `lr_decay_steps` or `steps`"
             )
-        self._positive("max_staleness", "steps", "warmup_steps", "kl_coef", allow_zero=True)
-        self._positive("eps_low", "eps_high", "weight_decay", allow_zero=True)
         if ":" not in self.advantage and "." not in self.advantage and self.advantage not in ADVANTAGE_NAMES:
             raise ValueError(
                 f"`advantage` must be one of {', '.join(ADVANTAGE_NAMES)} or 'module:function', "
@@ -238,29 +213,19 @@ class TrainerSection(_Section):
 
 class EvalSection(_Section):
     dataset: str = "demo"  # held-out JSONL; "demo" = the built-in task's eval split
-    eval_every: int = 1  # evaluate every k-th version
-    max_rows: int = 0  # evaluate at most this many rows; 0 = all
-    max_new_tokens: int = 16  # completion length cap (greedy decoding)
-    batch_size: int = 32  # prompts per batched greedy generate
-    max_versions: int = 0  # stop after evaluating this many versions; 0 = forever (tests: burst)
-
-    def __post_init__(self) -> None:
-        self._positive("eval_every", "max_new_tokens", "batch_size")
-        self._positive("max_rows", "max_versions", allow_zero=True)
+    eval_every: PosInt = 1  # evaluate every k-th version
+    max_rows: NonNegInt = 0  # evaluate at most this many rows; 0 = all
+    max_new_tokens: PosInt = 16  # completion length cap (greedy decoding)
+    batch_size: PosInt = 32  # prompts per batched greedy generate
+    max_versions: NonNegInt = 0  # stop after evaluating this many versions; 0 = forever (tests: burst)
 
 
 class MetricsSection(_Section):
     host: str = "127.0.0.1"  # exporter bind address
-    port: int = 9464  # exporter port (/metrics, /healthz)
-    health_interval: float = 5.0  # seconds between stream-health samples
-    stall_seconds: float = 300.0  # `status` exits 1: no new version this long while groups wait
-    snapshot_interval: float = 30.0  # exporter state snapshot, then metrics stream trimmed; 0 = never
-
-    def __post_init__(self) -> None:
-        self._positive("health_interval", "stall_seconds")
-        self._positive("snapshot_interval", allow_zero=True)
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"`port` must be in 0..65535, got {self.port}")
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9464  # exporter port (/metrics, /healthz)
+    health_interval: PosFloat = 5.0  # seconds between stream-health samples
+    stall_seconds: PosFloat = 300.0  # `status` exits 1: no new version this long while groups wait
+    snapshot_interval: NonNegFloat = 30.0  # exporter state snapshot, then metrics stream trimmed; 0 = never
 
 
 class WeightsSection(_Section):
@@ -273,12 +238,11 @@ class ArchiveSection(_Section):
     """The rollout archive (`streamer archive`, started by `up`): groups as text on disk."""
 
     enabled: bool = True  # `up` starts the archiver
-    max_bytes: int = 1 << 30  # compressed archive kept under {run_dir}/archive; oldest files go
-    file_bytes: int = 16 << 20  # a new file past this many compressed bytes
-    max_lag: int = 10_000  # trajectory entries it may fall behind before trimming passes it
+    max_bytes: PosInt = 1 << 30  # compressed archive kept under {run_dir}/archive; oldest files go
+    file_bytes: PosInt = 16 << 20  # a new file past this many compressed bytes
+    max_lag: PosInt = 10_000  # trajectory entries it may fall behind before trimming passes it
 
     def __post_init__(self) -> None:
-        self._positive("max_bytes", "file_bytes", "max_lag")
         if self.file_bytes > self.max_bytes:
             raise ValueError(
                 f"`file_bytes` ({self.file_bytes}) must not exceed `max_bytes` ({self.max_bytes})"
@@ -369,11 +333,15 @@ def parse_config(raw: bytes | str, *, source: str = "<config>") -> RunConfig:
 
 
 def replace(cfg: RunConfig, **sections: dict) -> RunConfig:
-    """Copy ``cfg`` with fields of sections replaced: ``replace(cfg, trainer={"steps": 5})``."""
-    changes = {
-        name: msgspec.structs.replace(getattr(cfg, name), **fields) for name, fields in sections.items()
-    }
-    return msgspec.structs.replace(cfg, **changes)
+    """Copy ``cfg`` with fields of sections replaced: ``replace(cfg, trainer={"steps": 5})``.
+    Checked like a config file (ConfigError naming the key)."""
+    tree = msgspec.to_builtins(cfg)
+    for name, fields in sections.items():
+        tree[name].update(msgspec.to_builtins(fields, enc_hook=str))
+    try:
+        return msgspec.convert(tree, RunConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_pretty(str(e))) from None
 
 
 def to_toml(tree: dict, prefix: str = "") -> str:
@@ -414,6 +382,8 @@ def _pretty(msg: str) -> str:
         where = where.rstrip("`")
     if m := re.match(r"Object contains unknown field `([^`]+)`", text):
         return f"unknown key `{_join(where, m.group(1))}`"
+    if m := re.match(r"Expected `\w+` ([<>]=? \S+)$", text):  # a bound on the field's type
+        return f"key `{where}`: must be {m.group(1)}"
     if m := re.match(r"`(\w+)` (.*)", text):  # raised by a section's __post_init__
         return f"key `{_join(where, m.group(1))}`: {m.group(2)}"
     return f"key `{where}`: {text}" if where else text

@@ -9,28 +9,51 @@ import msgspec
 
 from streamer import config
 
-_FIELD_RE = re.compile(r"^\s+(\w+): (.+?) = .*?#\s*(.+)$")
+# `name: type = default  # meaning`, or the formatter's wrapped form of a long line:
+# `name: type = (\n    default  # meaning\n)`
+_FIELD_RE = re.compile(r"^ +(\w+): .+? = (?:\(\n +)?.*?# *(.+)$", re.M)
 
 
-def _comments(cls: type) -> dict[str, tuple[str, str]]:
-    out = {}
-    for line in inspect.getsource(cls).splitlines():
-        if m := _FIELD_RE.match(line):
-            out[m.group(1)] = (m.group(2), m.group(3).strip())
-    return out
+def _comments(cls: type) -> dict[str, str]:
+    return {m.group(1): m.group(2).strip() for m in _FIELD_RE.finditer(inspect.getsource(cls))}
+
+
+def _type(t: msgspec.inspect.Type) -> str:
+    """A field's type as a reader wants it: ``int > 0``, ``float in [0, 1)``, ``"a" / "b"``."""
+    if isinstance(t, msgspec.inspect.Metadata):
+        t = t.type
+    if isinstance(t, msgspec.inspect.LiteralType):
+        return " / ".join(f'"{v}"' for v in t.values)  # not "|": it would end the table cell
+    if isinstance(t, msgspec.inspect.ListType):
+        return f"list[{_type(t.item_type)}]"
+    name = type(t).__name__.removesuffix("Type").lower()
+    lo = [
+        f"{op} {v}"
+        for op, v in ((">", getattr(t, "gt", None)), (">=", getattr(t, "ge", None)))
+        if v is not None
+    ]
+    hi = [
+        f"{op} {v}"
+        for op, v in (("<", getattr(t, "lt", None)), ("<=", getattr(t, "le", None)))
+        if v is not None
+    ]
+    if lo and hi:
+        return f"{name} in {'[' if lo[0][1] == '=' else '('}{lo[0].split()[1]}, {hi[0].split()[1]}{']' if hi[0][1] == '=' else ')'}"
+    return " ".join([name, *lo, *hi])
 
 
 def _rows(prefix: str, obj: msgspec.Struct) -> list[str]:
     """One row per field of ``obj``; a nested section's fields follow under its dotted name."""
     notes = _comments(type(obj))
+    types = {f.name: f.type for f in msgspec.inspect.type_info(type(obj)).fields}
     rows = []
     for f in msgspec.structs.fields(type(obj)):
         value = getattr(obj, f.name)
         if isinstance(value, msgspec.Struct):
             rows.extend(_rows(f"{prefix}.{f.name}", value))
             continue
-        typ, doc = notes.get(f.name, ("", ""))
-        rows.append(f"| `{prefix}.{f.name}` | `{typ}` | `{value!r}` | {doc} |".replace("`''`", '`""`'))
+        row = f"| `{prefix}.{f.name}` | `{_type(types[f.name])}` | `{value!r}` | {notes.get(f.name, '')} |"
+        rows.append(row.replace("`''`", '`""`'))
     return rows
 
 

@@ -26,6 +26,7 @@ from streamer.admission import Admission
 from streamer.bus import Tail, entry_event
 from streamer.config import BusSection, RunConfig, TrainerSection, replace
 from streamer.connection import connect
+from streamer.errors import ConfigError
 from streamer.keys import TRAINER_GROUP, Keys
 
 
@@ -254,6 +255,6 @@ def test_sigterm_checkpoints_what_was_trained_and_exits_0(private_valkey, tmp_pa
 
 
 def test_trainer_section_validates():
-    with pytest.raises(ValueError, match="min_group_size"):
-        TrainerSection(min_group_size=0)
+    with pytest.raises(ConfigError, match="key `trainer.min_group_size`: must be >= 1"):
+        replace(RunConfig(), trainer={"min_group_size": 0})  # what a CLI override goes through
     assert TrainerSection().micro_batch_size == 0
