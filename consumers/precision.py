@@ -93,7 +93,3 @@ class Precision:
         if self.scaler is not None:
             self.scaler.update()
         return grad_norm, not finite
-
-    @property
-    def loss_scale(self) -> float:
-        return float(self.scaler.get_scale()) if self.scaler is not None else 1.0

@@ -30,11 +30,13 @@ def load_task(
     tokenizer=None,
     extra_stop_ids=(),
     rows: list[dict] | None = None,
+    reward_fn=None,
 ) -> Task:
-    """Rows of ``dataset``, rendered with the model's tokenizer, scored by the reward."""
+    """Rows of ``dataset``, rendered with the model's tokenizer, scored by the reward (those
+    given are not loaded again)."""
     rows = rows if rows is not None else load_rows(dataset, split=split)
     path = rewards.default_path(cfg.producer.reward, dataset)
-    reward_fn = rewards.load(path)
+    reward_fn = reward_fn or rewards.load(path)
     tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
     renderer = Renderer(tokenizer, chat_template=cfg.model.chat_template, extra_stop_ids=extra_stop_ids)
     return Task(rows=rows, renderer=renderer, reward_fn=reward_fn, reward_path=path)
@@ -58,17 +60,17 @@ def build(cfg: RunConfig):
         required = getattr(reward_fn, "required_fields", ())
         check_required(rows, required, source=p.dataset, reward=reward_path)
     tokenizer = models.load_tokenizer(cfg.model)
+    common = dict(dataset=p.dataset, tokenizer=tokenizer, rows=rows, reward_fn=reward_fn)
     if p.sampler == "local":
         if p.torch_threads:
             import torch
 
             torch.set_num_threads(p.torch_threads)
         sampler, stops = local_sampler(cfg, tokenizer)
-        task = load_task(cfg, dataset=p.dataset, tokenizer=tokenizer, extra_stop_ids=stops, rows=rows)
-        return task, sampler
+        return load_task(cfg, **common, extra_stop_ids=stops), sampler
     from producers.remote_sampler import RemoteSampler
 
-    task = load_task(cfg, dataset=p.dataset, tokenizer=tokenizer, rows=rows)
+    task = load_task(cfg, **common)
     sampler = RemoteSampler(
         base_url=p.remote_url,
         model=p.remote_model or cfg.model.name_or_path,

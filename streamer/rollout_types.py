@@ -68,21 +68,6 @@ class Sampler(Protocol):
     def close(self) -> None: ...
 
 
-class BatchSampler(Sampler, Protocol):
-    """A sampler that also takes many prompts in one call (the evaluator's greedy pass)."""
-
-    def sample_many(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int = 1,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        max_new_tokens: int,
-        seed: int | None = None,
-    ) -> list[list[Completion]]: ...
-
-
 class Renderer(Protocol):
     """Rows and messages -> token ids through the model's tokenizer (producers.render)."""
 

@@ -164,9 +164,6 @@ class EmbeddedServer:
             self.proc.kill()
             self.proc.wait()
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def __enter__(self) -> EmbeddedServer:
         return self.start()
 
