@@ -60,6 +60,9 @@ class SharedReload:
         self._raise = client.register_script(_RAISE)
         self._release = client.register_script(_RELEASE)
         self.reloads = 0  # reloads this producer performed (the rest were someone else's)
+        # this producer's lock token: a SET whose reply was lost (a server stalled, then
+        # resumed) may still have taken the lock, and must not make us wait for ourselves
+        self.token = uuid.uuid4().hex
 
     def served(self) -> int:
         raw = self.client.get(self.served_key)
@@ -73,8 +76,7 @@ class SharedReload:
         lock); returns the version it now serves. Raises what ``reload`` raises."""
         deadline = time.monotonic() + 2 * self.lock_seconds
         while (served := self.served()) < version:
-            token = uuid.uuid4().hex
-            if self.client.set(self.lock_key, token, nx=True, px=int(self.lock_seconds * 1000)):
+            if self._take_lock():
                 try:
                     if (served := self.served()) < version:  # not done while we took the lock
                         reload()
@@ -83,10 +85,15 @@ class SharedReload:
                         log.info("reloaded %s to version %d for every producer sharing it", self.url, version)
                     return served
                 finally:
-                    self._release(keys=[self.lock_key], args=[token])
+                    self._release(keys=[self.lock_key], args=[self.token])
             if time.monotonic() > deadline:
                 raise SamplerError(
                     f"{self.url}: no producer confirmed version {version} within {2 * self.lock_seconds:.0f}s"
                 )
             time.sleep(self.poll)  # another producer is reloading: wait for its record
         return served
+
+    def _take_lock(self) -> bool:
+        if self.client.set(self.lock_key, self.token, nx=True, px=int(self.lock_seconds * 1000)):
+            return True
+        return self.client.get(self.lock_key) == self.token.encode()  # taken by a lost reply

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
 from test_producer import _cfg, _producer, _wait_for
 
 from producers.fake_server import FakeCompletionsServer, canned
@@ -35,6 +36,33 @@ def test_racing_producers_reload_each_version_once_and_never_backwards(client, k
             t.join(30)
     assert calls == [1, 2, 3, 5]
     assert shared[0].served() == 5 and sum(s.reloads for s in shared) == 4
+
+
+class _LosesOneSetReply(redis.Redis):
+    """A real client whose next SET reaches the server but whose reply is lost (as when the
+    server stalls past the socket timeout and then runs the queued command)."""
+
+    lose = True
+
+    def set(self, *args, **kwargs):
+        done = super().set(*args, **kwargs)
+        if self.lose:
+            self.lose = False
+            raise redis.exceptions.TimeoutError("Timeout reading from socket")
+        return done
+
+
+def test_a_lock_taken_by_a_lost_reply_is_still_ours(redis_url, keys):
+    client = _LosesOneSetReply.from_url(redis_url)
+    shared = SharedReload(client, keys, "http://inference:8000", lock_seconds=5)
+    with pytest.raises(redis.exceptions.TimeoutError):
+        shared.ensure(1, lambda: None)  # the SET took the lock; its reply never came
+    assert client.get(shared.lock_key) == shared.token.encode()
+    loads: list[int] = []
+    # before: a new token per try, so the producer waited for its own lock until it expired
+    # (lock_seconds is ~500 s for a remote sampler's defaults), then gave up
+    assert shared.ensure(2, lambda: loads.append(2)) == 2
+    assert loads == [2] and client.get(shared.lock_key) is None
 
 
 @pytest.mark.slow
