@@ -44,7 +44,7 @@ from streamer.admission import EXHAUSTED, WAIT, Admission, LeaseLost, Leases
 from streamer.batching import MicroBatcher
 from streamer.bus import Publisher, unacked
 from streamer.config import RunConfig
-from streamer.connection import connect
+from streamer.connection import TRANSIENT, connect
 from streamer.errors import StreamerError
 from streamer.keys import Keys
 from streamer.rollout_types import Completion, Episode, RolloutContext, Task
@@ -263,7 +263,7 @@ class Producer:
                 return list(await self.rollout(row, ctx))
         except Exception as e:  # user code: anything it raises drops the rollout, not the producer
             leaf = _first_leaf(e)
-            if isinstance(leaf, SamplerError):
+            if isinstance(leaf, (SamplerError, *TRANSIENT)):  # the engine's or the server's, not the row's
                 raise leaf from e
             if isinstance(leaf, TimeoutError):
                 reason, why = "timeout", f"timed out after {self.producer_cfg.rollout_timeout:.1f}s"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import redis
 
 from consumers.filters import is_stale
 from producers.components import build
@@ -137,6 +138,24 @@ def test_a_rollout_that_raises_hands_its_row_back_and_is_skipped_after_repeated_
     p._flush_metrics()
     assert _counters(client, keys)["episodes_dropped_error"] == 2 * (attempts + 1)
     assert client.xlen(keys.traj) == 0
+    _no_lease_or_slot_left(client, keys)
+
+
+def test_a_server_outage_inside_a_rollout_is_not_the_rows_failure(keys, redis_url, tmp_path, client):
+    """A rollout's server call that times out (say, following weights while the server
+    stalls) hands the row back uncounted and goes to the producer's outage backoff: a few
+    outages must not skip a healthy row."""
+
+    async def stalls(row, ctx):
+        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+    cfg = _cfg(keys, redis_url, tmp_path)
+    p = _producer(cfg, client, rollout=stalls)
+    for _ in range(cfg.producer.max_row_attempts + 1):
+        with pytest.raises(redis.exceptions.TimeoutError):
+            p.step()
+    assert client.hlen(keys.row_attempts) == 0 and client.hlen(keys.skipped_rows) == 0
+    assert client.lrange(keys.requeue, 0, -1) == [b"0"], "handed back, first in line"
     _no_lease_or_slot_left(client, keys)
 
 
