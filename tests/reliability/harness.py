@@ -25,7 +25,7 @@ from consumers import checkpoint
 from consumers.filters import GroupFilter
 from producers.samplers import Completion
 from schemas import DeadLetter, DecodeError, TrajectoryGroup
-from streamer import demo
+from streamer import demo, lifecycle
 from streamer.bus import entry_event
 from streamer.config import TrainerSection
 from streamer.keys import TRAINER_GROUP, Keys
@@ -73,6 +73,7 @@ class Procs:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                preexec_fn=lifecycle.child_preexec(os.getpid()),  # SIGTERM if the test runner dies
             )
         self.procs[name] = proc
         return proc
