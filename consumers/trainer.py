@@ -44,7 +44,7 @@ from schemas import MetricsEvent, WeightSync
 from schemas.metric_names import REJECT_REASONS
 from streamer import lifecycle, lora, models, rundir, weights
 from streamer.admission import Admission
-from streamer.bus import Tail, entry, scan
+from streamer.bus import Publisher, Tail, scan
 from streamer.config import RunConfig
 from streamer.connection import connect, retrying
 from streamer.errors import StreamerError
@@ -89,6 +89,7 @@ class Trainer:
         self.feed: Feeder | None = None
         self.lineage = Lineage()  # staleness along the version tree (consumers/lineage.py)
         self.give_up_after: float | None = None  # server outage allowed to outputs; None = wait
+        self.publisher = Publisher(client, keys, cfg.bus)
         self.versions = VersionPublisher(
             client,
             keys,
@@ -277,7 +278,7 @@ class Trainer:
 
     def _publish_metrics(self, values: dict[str, float]) -> None:
         event = MetricsEvent(axis="train", step=self.step, values=values, source="trainer")
-        retrying(lambda: self.client.xadd(self.keys.metrics, entry(event)), what="publishing metrics")
+        retrying(lambda: self.publisher.publish(self.keys.metrics, event), what="publishing metrics")
 
     def checkpoint(self) -> None:
         """Persist what was trained, then acknowledge the entries it covers."""
