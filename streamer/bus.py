@@ -1,7 +1,8 @@
 """The Redis stream bus: the wire entry, publish with backpressure, consume with groups.
 
-Connecting (and riding out outages) is :mod:`streamer.connection`. Every event is one stream entry with a single field ``d`` holding its msgpack bytes.
-Delivery is at-least-once; the exactly-once *effect* belongs to the consumers (the trainer
+Every event is one stream entry with a single field ``d`` holding its msgpack bytes
+(:func:`entry`, :func:`entry_event`); connecting and riding out outages is
+:mod:`streamer.connection`. Delivery is at-least-once; the exactly-once *effect* belongs to the consumers (the trainer
 acknowledges only what a checkpoint covers). Entries are trimmed only once every consumer
 group has acknowledged them, never by MAXLEN.
 """
