@@ -2,9 +2,9 @@
 
 Every event is one stream entry with a single field ``d`` holding its msgpack bytes
 (:func:`entry`, :func:`entry_event`); connecting and riding out outages is
-:mod:`streamer.connection`. Delivery is at-least-once; the exactly-once *effect* belongs to the consumers (the trainer
-acknowledges only what a checkpoint covers). Entries are trimmed only once every consumer
-group has acknowledged them, never by MAXLEN.
+:mod:`streamer.connection`. Delivery is at-least-once; the exactly-once *effect* belongs
+to the consumers (the trainer acknowledges only what a checkpoint covers). Entries are
+trimmed only once every consumer group has acknowledged them, never by MAXLEN.
 """
 
 from __future__ import annotations
