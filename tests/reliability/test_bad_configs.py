@@ -31,11 +31,11 @@ ROLES = {
     "up": ("bus", ("max_unacked", "true"), ("max_unacked", "-16")),
     "smoke": ("bus", ("read_count", '"64"'), ("read_count", "-1")),
 }
-FLAGS = {
-    "train": (["--steps", "-1"], "`steps`"),
-    "produce": (["--max-groups", "-1"], "`max_groups`"),
-    "metrics": (["--port", "70000"], "`port`"),
-    "up": (["--steps", "-3"], "`steps`"),
+FLAGS = {  # a flag's error names the config key it overrides, with the bound
+    "train": (["--steps", "-1"], "key `trainer.steps`: must be >= 0"),
+    "produce": (["--max-groups", "-1"], "key `producer.max_groups`: must be >= 0"),
+    "metrics": (["--port", "70000"], "key `metrics.port`: must be <= 65535"),
+    "up": (["--steps", "-3"], "key `trainer.steps`: must be >= 0"),
 }
 
 
