@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -435,33 +434,27 @@ def main(cfg: RunConfig, args) -> int:
     task, sampler = build(cfg)
     rollouts.load(cfg.producer.rollout)  # a bad import path fails before any work
     producer = Producer(cfg, client=client, producer_id=producer_id, task=task, sampler=sampler)
-    _install_signals(producer)
+    previous = _install_signals(producer)
     try:
         return producer.run()
     finally:
+        lifecycle.restore_signals(previous)
         producer.close()
         client.close()
 
 
-def _install_signals(producer: Producer) -> None:
-    """SIGTERM/SIGINT: stop after the current row; past the grace period, hand it back."""
+def _install_signals(producer: Producer) -> dict:
+    """SIGTERM/SIGINT: stop after the current rows; past the grace period, hand them back.
+    A second signal stops at once (streamer.lifecycle's rule): the leases expire instead."""
+    grace = producer.producer_cfg.shutdown_grace
 
-    def on_signal(signum, _frame):
-        if producer.stop.is_set():
-            return
-        log.info(
-            "%s: finishing the current row (grace %.0fs)",
-            signal.Signals(signum).name,
-            producer.producer_cfg.shutdown_grace,
-        )
-        producer.stop.set()
-        lifecycle.exit_if_orphaned(f"producer {producer.id}")
-        timer = threading.Timer(producer.producer_cfg.shutdown_grace, _give_up, args=(producer,))
+    def arm_grace() -> None:
+        timer = threading.Timer(grace, _give_up, args=(producer,))
         timer.daemon = True  # a loop that ends in time exits without waiting for it
         timer.start()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    doing = f"finishing the current row (grace {grace:.0f}s)"
+    return lifecycle.on_stop_signals(producer.stop, f"producer {producer.id}", doing, then=arm_grace)
 
 
 def _give_up(producer: Producer) -> None:

@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +82,15 @@ def exit_if_orphaned(what: str, grace: float = ORPHAN_GRACE) -> bool:
 
 
 def on_stop_signals(
-    stop: threading.Event, what: str, doing: str = "stopping", orphan_grace: float = ORPHAN_GRACE
+    stop: threading.Event,
+    what: str,
+    doing: str = "stopping",
+    orphan_grace: float = ORPHAN_GRACE,
+    then: Callable[[], None] | None = None,
 ) -> dict:
-    """The stop handlers of a role: SIGTERM/SIGINT log, set ``stop`` and arm the orphan
-    backstop; the handlers that were there before come back, so a second signal is not
-    graceful (the rule above). Returns those handlers, for :func:`restore_signals`."""
+    """The stop handlers of a role: SIGTERM/SIGINT log, set ``stop``, arm the orphan
+    backstop and call ``then``; the handlers that were there before come back, so a second
+    signal is not graceful (the rule above). Returns those, for :func:`restore_signals`."""
     previous: dict = {}
 
     def on_signal(signum, _frame) -> None:
@@ -93,6 +98,8 @@ def on_stop_signals(
         stop.set()
         exit_if_orphaned(what, orphan_grace)
         restore_signals(previous)
+        if then is not None:
+            then()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, on_signal)
