@@ -83,11 +83,16 @@ def unacked(client: redis.Redis, stream: str, group: str = TRAINER_GROUP) -> int
         return 0
     for g in groups:
         if as_str(g["name"]) == group:
-            lag = g.get("lag")
-            if lag is None:  # unknown after some deletions: count what follows last-delivered
-                lag = len(client.xrange(stream, min=f"({as_str(g['last-delivered-id'])}", count=100_000))
-            return int(g["pending"]) + int(lag)
+            return int(g["pending"]) + group_lag(client, stream, g)
     return int(client.xlen(stream))  # the group does not exist yet: nobody read anything
+
+
+def group_lag(client: redis.Redis, stream: str, g: dict) -> int:
+    """Entries of ``stream`` after group ``g``'s last-delivered id (``g``: an XINFO GROUPS
+    row); counted when the server cannot tell (after some deletions)."""
+    if (lag := g.get("lag")) is None:
+        lag = len(client.xrange(stream, min=f"({as_str(g['last-delivered-id'])}", count=1_000_000))
+    return int(lag)
 
 
 class Publisher:

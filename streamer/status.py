@@ -23,7 +23,7 @@ import redis
 
 from schemas import DeadLetter, DecodeError, WeightSync
 from streamer.admission import admission_limit
-from streamer.bus import as_str, entry_event
+from streamer.bus import as_str, entry_event, group_lag
 from streamer.config import RunConfig
 from streamer.connection import connect, redact
 from streamer.keys import TRAINER_GROUP, Keys
@@ -252,16 +252,12 @@ def _stream(client: redis.Redis, name: str, key: str, info, groups) -> StreamInf
 
 
 def _group(client: redis.Redis, key: str, g: dict) -> GroupInfo:
-    lag = g.get("lag")
-    if lag is None:  # the server cannot tell after some deletions: count what follows
-        after = f"({as_str(g['last-delivered-id'])}"
-        lag = len(client.xrange(key, min=after, count=1_000_000))
     read = g.get("entries-read")
     return GroupInfo(
         name=as_str(g["name"]),
         consumers=int(g["consumers"]),
         pending=int(g["pending"]),
-        lag=int(lag),
+        lag=group_lag(client, key, g),
         entries_read=None if read is None else int(read),
     )
 
