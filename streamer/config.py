@@ -54,7 +54,7 @@ class LoraSection(_Section):
     alpha: PosFloat = 32.0  # LoRA scale numerator: the update is (alpha / rank) * B A
     target_modules: list[str] = []  # module names to adapt; empty = every linear layer but the head
     dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = (
-        0.0  # dropout on the adapter's input (proximal pass: none)
+        0.0  # dropout on the adapter's input during updates (proximal pass: none)
     )
 
 

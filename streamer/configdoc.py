@@ -27,19 +27,12 @@ def _type(t: msgspec.inspect.Type) -> str:
     if isinstance(t, msgspec.inspect.ListType):
         return f"list[{_type(t.item_type)}]"
     name = type(t).__name__.removesuffix("Type").lower()
-    lo = [
-        f"{op} {v}"
-        for op, v in ((">", getattr(t, "gt", None)), (">=", getattr(t, "ge", None)))
-        if v is not None
-    ]
-    hi = [
-        f"{op} {v}"
-        for op, v in (("<", getattr(t, "lt", None)), ("<=", getattr(t, "le", None)))
-        if v is not None
-    ]
-    if lo and hi:
-        return f"{name} in {'[' if lo[0][1] == '=' else '('}{lo[0].split()[1]}, {hi[0].split()[1]}{']' if hi[0][1] == '=' else ')'}"
-    return " ".join([name, *lo, *hi])
+    ops = ((">", "gt"), (">=", "ge"), ("<", "lt"), ("<=", "le"))
+    bounds = [(op, v) for op, key in ops if (v := getattr(t, key, None)) is not None]
+    if len(bounds) == 2:  # msgspec takes at most one per side: a lower and an upper bound
+        (lo_op, lo), (hi_op, hi) = bounds
+        return f"{name} in {'(' if lo_op == '>' else '['}{lo}, {hi}{')' if hi_op == '<' else ']'}"
+    return " ".join([name, *(f"{op} {v}" for op, v in bounds)])
 
 
 def _rows(prefix: str, obj: msgspec.Struct) -> list[str]:
