@@ -64,7 +64,7 @@ from producers.samplers import Completion
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
 from streamer import demo, weights
 from streamer.admission import Admission
-from streamer.bus import FIELD, entry_event
+from streamer.bus import FIELD, as_str, entry_event
 from streamer.config import write_toml
 from streamer.connection import connect
 from streamer.keys import Keys
@@ -191,7 +191,7 @@ class Loads:
     def poll(self) -> None:
         resp = self.client.xread(self.cursors, count=10_000, block=50)
         for stream, entries in resp or []:
-            stream = stream.decode() if isinstance(stream, bytes) else stream
+            stream = as_str(stream)
             for entry_id, fields in entries:
                 self.cursors[stream] = entry_id
                 self._take(stream, fields[FIELD])

@@ -45,7 +45,7 @@ from consumers import saved_state
 from consumers.metrics_state import SERIES, Series, State, gauge
 from schemas import MetricsEvent
 from streamer import lifecycle
-from streamer.bus import Consumer, scan
+from streamer.bus import Consumer, parse_id, scan
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect
 from streamer.errors import ConfigError
@@ -134,8 +134,8 @@ class Exporter:
         """Save the state; trim the stream up to the previous snapshot (one interval behind)."""
         last = saved_state.save(self.client, self.keys.metrics_snapshot, self.state)
         if trim and self._trim_to is not None:
-            ms, _, seq = self._trim_to.partition("-")  # MINID keeps its own id: cut just past it
-            cut = f"{ms}-{int(seq) + 1}"
+            ms, seq = parse_id(self._trim_to)  # MINID keeps its own id: cut just past it
+            cut = f"{ms}-{seq + 1}"
             self.trimmed += int(self.client.xtrim(self.keys.metrics, minid=cut, approximate=False))
         self._trim_to = last
         self.snapshots += 1

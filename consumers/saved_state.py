@@ -20,6 +20,7 @@ import redis
 
 from consumers.history import History
 from consumers.metrics_state import SeenIds, State
+from streamer.bus import parse_id
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,7 @@ def capture(state: State) -> SavedState:
 
 def restore(snap: SavedState) -> State:
     state = State()
-    ms, _, seq = snap.last_id.partition("-")
-    state.last_id = (int(ms), int(seq or 0))
+    state.last_id = parse_id(snap.last_id)
     state.steps, state.gauges = dict(snap.steps), dict(snap.gauges)
     state.counters.update(snap.counters)
     state.labelled = {(n, p): v for n, p, v in snap.labelled}
