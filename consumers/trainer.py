@@ -329,9 +329,8 @@ def follow(cfg: RunConfig, dp: DataParallel) -> int:
     learner = build_learner(cfg, dp)
     while True:
         kind, payload = dp.receive()
-        if kind == "stop":
+        if kind == "stop":  # the caller leaves the group (DataParallel.leave)
             log.info("rank %d: stopped at step %d", dp.rank, learner.step)
-            dp.close(clean=True)
             return 0
         if kind == "restore" and payload:
             path = Path(payload)
