@@ -1,4 +1,7 @@
-"""Consumers of the run's streams: the trainer, the evaluator and the metrics exporter.
+"""Readers of the trajectory and metrics streams: the trainer, the exporter, the archiver.
+
+Nothing here imports ``producers/``: the evaluator samples the policy like a producer
+does (task, sampler, weight follower) and lives there.
 
 The trainer is split so its core never sees Redis: ``loss`` (the objective, pure tensor
 functions), ``batch`` (groups -> padded tensors), ``filters`` (which groups to train),

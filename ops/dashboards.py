@@ -199,6 +199,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ts(
                 "Episodes dropped per second",
                 (rate(ROLL + "prefix_mismatches_total"), "prefix mismatches"),
+                (rate(ROLL + "proxy_divergences_total"), "proxy divergences (a new chain, not dropped)"),
                 *(
                     (rate(ROLL + f"episodes_dropped_{r}_total"), r.replace("_", " "))
                     for r in EPISODE_DROP_REASONS

@@ -266,6 +266,10 @@ class Producer:
                 raise leaf from e
             if isinstance(leaf, TimeoutError):
                 reason, why = "timeout", f"timed out after {self.producer_cfg.rollout_timeout:.1f}s"
+                if str(leaf):
+                    why = f"timed out: {leaf}"
+            elif isinstance(leaf, rollouts.EpisodeRejected):  # e.g. a service's bad reply
+                reason, why = leaf.reason, str(leaf)
             else:
                 reason, why = "error", f"raised {type(leaf).__name__}: {leaf}"
             if isinstance(leaf, PrefixMismatch):

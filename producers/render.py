@@ -34,17 +34,21 @@ class Renderer:
 
     def render(self, row: dict) -> list[int]:
         """Prompt token ids of ``row`` (a dict with ``messages`` or ``prompt``)."""
-        if self.chat_template:
-            messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        else:
-            text = row["prompt"] if "prompt" in row else "\n".join(m["content"] for m in row["messages"])
-            ids = self.tokenizer(text)["input_ids"]
+        if self.chat_template or "prompt" not in row:
+            return self.render_messages(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
+        return self._nonempty(self.tokenizer(row["prompt"])["input_ids"])
+
+    def render_messages(self, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids of a chat (and the tools it may call), generation prompt added."""
+        if not self.chat_template:
+            return self._nonempty(self.tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
+        extra = {"tools": tools} if tools else {}
+        return self._nonempty(self._apply(messages, add_generation_prompt=True, **extra))
+
+    def _nonempty(self, ids) -> list[int]:
         ids = [int(i) for i in ids]
         if not ids:
-            raise ValueError("the row rendered to an empty prompt")
+            raise ValueError("the chat rendered to an empty prompt")
         return ids
 
     def render_suffix(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
@@ -70,9 +74,9 @@ class Renderer:
             raise ValueError("the chat template re-renders earlier turns when messages are added")
         return after[cut:]
 
-    def _apply(self, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
+    def _apply(self, messages: list[dict], *, add_generation_prompt: bool, **extra) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **extra
         )
         return [int(i) for i in ids]
 

@@ -1,4 +1,22 @@
-"""The built-in rollout, loading a rollout by import path, and checking what one returns.
+"""The built-in rollout, loading a rollout (import path or service URL), checking episodes.
+
+``producer.rollout = "http://host:port/path"`` makes every row a call to a **remote
+rollout service**: ``POST`` the JSON below, receive the row's episodes token-native::
+
+    request: {"row": {...}, "group_size": G, "seed": s, "max_seq_len": N,
+              "sampling": {"temperature": t, "top_p": p, "max_new_tokens": m}}
+    reply:   {"episodes": [{"segments": [{"tokens": [...]},                 # context
+                                         {"tokens": [...], "logprobs": [...],
+                                          "version": v}, ...],           # sampled
+                            "reward": r, "finish_reason": "stop", "metrics": {...}}]}
+
+A sampled segment names the policy version that sampled it (the service's engine
+follows the run's weights; the proxy of :mod:`producers.proxy` is one way to). The reply
+is untrusted: one that is not JSON or not of this shape drops the rollout with reason
+``malformed`` and a message naming the field; an HTTP error drops it with reason
+``error``; both hand the row back and count towards ``max_row_attempts``. A service
+that cannot be reached, or answers 429/502/503/504, is an outage, not the row's
+failure: the producer backs off as for a sampler outage.
 
 A rollout function is user code: whatever it returns is untrusted until
 :func:`to_sample` has checked it. An episode that is malformed (segment lengths differ,
@@ -13,13 +31,16 @@ from __future__ import annotations
 import logging
 import math
 
+import httpx
+import msgspec
 import numpy as np
 
 from producers.rewards import score
 from schemas import Sample, Span
 from schemas.metric_names import EPISODE_DROP_REASONS
-from streamer.errors import EpisodeRejected
-from streamer.rollout_types import DEFAULT_ROLLOUT, Episode, Rollout, RolloutContext, Segment, load_rollout
+from streamer.errors import EpisodeRejected, SamplerError
+from streamer.imports import load_function
+from streamer.rollout_types import DEFAULT_ROLLOUT, Episode, FinishReason, Rollout, RolloutContext, Segment
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +69,77 @@ async def single_turn(row: dict, ctx: RolloutContext) -> list[Episode]:
 
 
 def load(path: str) -> Rollout:
-    """The rollout at import path ``path`` ("" = :func:`single_turn`)."""
-    return load_rollout(path)
+    """The rollout at import path ``path`` ("" = :func:`single_turn`), or a service URL."""
+    if path.startswith(("http://", "https://")):
+        return remote(path)
+    return load_function(path or DEFAULT, what="rollout")
+
+
+class _WireSegment(msgspec.Struct, forbid_unknown_fields=True):
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    version: int | None = None
+    mask: list[int] | None = None
+
+
+class _WireEpisode(msgspec.Struct, forbid_unknown_fields=True):
+    segments: list[_WireSegment]
+    reward: float
+    finish_reason: FinishReason = "stop"
+    metrics: dict[str, float] = {}
+
+
+class _Reply(msgspec.Struct):
+    episodes: list[_WireEpisode]
+
+
+OUTAGE_STATUS = {429, 502, 503, 504}
+
+
+def remote(url: str, *, timeout: float = 600.0) -> Rollout:
+    """A rollout that POSTs each row to the rollout service at ``url`` (module docstring)."""
+
+    async def rollout(row: dict, ctx: RolloutContext) -> list[Episode]:
+        body = {
+            "row": row,
+            "group_size": ctx.group_size,
+            "seed": ctx.seed,
+            "max_seq_len": ctx.max_seq_len,
+            "sampling": {
+                "temperature": ctx.temperature,
+                "top_p": ctx.top_p,
+                "max_new_tokens": ctx.max_new_tokens,
+            },
+        }
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0)) as http:
+                r = await http.post(url, json=body)
+        except httpx.TimeoutException as e:
+            if isinstance(e, httpx.ConnectTimeout):
+                raise SamplerError(f"rollout service {url} cannot be reached: {e!r}") from None
+            raise TimeoutError(f"no answer within {timeout:.0f}s") from None
+        except httpx.TransportError as e:
+            raise SamplerError(f"rollout service {url} cannot be reached: {e!r}") from None
+        if r.status_code in OUTAGE_STATUS:
+            raise SamplerError(f"rollout service {url} answered {r.status_code}: {r.text[:200]}")
+        if r.status_code != 200:
+            raise RuntimeError(f"the service answered {r.status_code}: {r.text[:200]}")
+        try:
+            reply = msgspec.json.decode(r.content, type=_Reply)
+        except msgspec.DecodeError as e:
+            raise EpisodeRejected("malformed", f"sent a bad reply: {e}") from None
+        return [
+            Episode(
+                [Segment(s.tokens, s.logprobs, s.version, s.mask) for s in e.segments],
+                e.reward,
+                e.finish_reason,
+                dict(e.metrics),
+            )
+            for e in reply.episodes
+        ]
+
+    rollout.__name__ = rollout.__qualname__ = f"remote({url})"
+    return rollout
 
 
 def to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int = 0) -> Sample:

@@ -23,7 +23,7 @@ ROLES = {
     "up": "streamer.up:main",
     "train": "consumers.trainer:main",
     "produce": "producers.producer:main",
-    "eval": "consumers.evaluator:main",
+    "eval": "producers.evaluator:main",
     "metrics": "consumers.exporter:main",
     "status": "streamer.status:main",
     "archive": "consumers.archive:main",

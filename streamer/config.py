@@ -107,7 +107,7 @@ class ProducerSection(_Section):
     max_groups: NonNegInt = 0  # stop after publishing this many groups; 0 = forever
     shutdown_grace: PosFloat = 30.0  # on SIGTERM: finish or hand back the current row within this
     torch_threads: NonNegInt = 0  # torch CPU threads of a local sampler; 0 = torch's default
-    rollout: str = ""  # "module:function" async (row, ctx) -> episodes; "" = single-turn render/sample/reward
+    rollout: str = ""  # "module:function" async (row, ctx) -> episodes, or a rollout service's http(s) URL; "" = single-turn
     concurrency: PosInt = 1  # rollouts (rows) in flight at once, each with its own lease and admission slot
     rollout_timeout: NonNegFloat = 0.0  # cancel a rollout running longer (its row is handed back); 0 = never
     max_row_attempts: NonNegInt = (

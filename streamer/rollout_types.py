@@ -166,14 +166,7 @@ class RolloutContext:
 
 
 Rollout = Callable[[dict, RolloutContext], Awaitable[Sequence[Episode]]]
-DEFAULT_ROLLOUT = "producers.rollout:single_turn"
-
-
-def load_rollout(path: str) -> Rollout:
-    """Import ``"package.module:function"`` ("" = the default); a ConfigError otherwise."""
-    from streamer.imports import load_function
-
-    return load_function(path or DEFAULT_ROLLOUT, what="rollout")
+DEFAULT_ROLLOUT = "producers.rollout:single_turn"  # loaded by producers.rollout.load
 
 
 EpisodeFn = Callable[[dict, RolloutContext, int], Awaitable[Episode]]

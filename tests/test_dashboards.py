@@ -97,6 +97,7 @@ def test_rows_and_required_panels():
         "stream_entries_added_total",
         "rollout_turns_mean",
         "rollout_tool_calls_total",
+        "rollout_proxy_divergences_total",
         "rollout_prefix_mismatches_total",
         "rollout_episode_seconds",
         "rollout_in_flight_episodes",

@@ -13,8 +13,8 @@ import pytest
 from bounds import START
 from waits import Watch, wait_until
 
-from consumers.evaluator import Evaluator
 from producers.components import load_task, local_sampler
+from producers.evaluator import Evaluator
 from schemas import MetricsEvent, WeightSync, decode, encode
 from schemas.metric_names import EVAL
 from streamer import demo, models, weights

@@ -4,6 +4,8 @@ nothing published)."""
 
 from __future__ import annotations
 
+import re
+
 import anyio
 import pytest
 import redis
@@ -238,3 +240,102 @@ def test_concurrent_engine_calls_on_a_local_model_are_batched():
 
     anyio.run(main)
     assert calls == [6] and all(got[i][0].token_ids == [i] for i in range(6))
+
+
+class _Service:
+    """A rollout service on a free port that answers every POST with ``reply(body)``."""
+
+    def __init__(self, reply):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[dict] = []
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                service.requests.append(body)
+                status, payload = reply(body)
+                raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/rollout"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _episode_json(reward: float, version: int = 4) -> dict:
+    return {
+        "segments": [{"tokens": [3, 8]}, {"tokens": [9, 5], "logprobs": [-0.2, -0.1], "version": version}],
+        "reward": reward,
+        "metrics": {"turns": 1.0},
+    }
+
+
+def test_a_remote_rollout_service_returns_token_native_episodes(keys, redis_url, tmp_path, client):
+    def reply(body):
+        g = body["group_size"]
+        return 200, {"episodes": [_episode_json(float(i)) for i in range(g)]}
+
+    with _Service(reply) as service:
+        p = _producer(_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
+        assert p.step() == "published"
+    (g,) = _groups(client, keys)
+    assert [s.reward for s in g.samples] == [0.0, 1.0] and g.policy_version == 4
+    assert g.samples[0].token_ids().tolist() == [3, 8, 9, 5] and g.samples[0].prompt_len == 2
+    (request,) = service.requests
+    assert request["row"] in p.task.rows and request["group_size"] == 2
+    assert request["sampling"] == {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "status, payload, reason, says",
+    [
+        (200, b"<html>oops", "malformed", "sent a bad reply"),
+        (200, {"episodes": [{"segments": "no", "reward": 1.0}]}, "malformed", "$.episodes[0].segments"),
+        (200, {"episodes": [{**_episode_json(1.0), "extra": 1}]}, "malformed", "unknown field `extra`"),
+        (500, b"agent crashed", "error", "raised RuntimeError: the service answered 500: agent crashed"),
+    ],
+)
+def test_a_bad_reply_from_a_rollout_service_drops_the_rollout_and_hands_the_row_back(
+    keys, redis_url, tmp_path, client, caplog, status, payload, reason, says
+):
+    with _Service(lambda body: (status, payload)) as service:
+        p = _producer(_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
+        assert p.step() == "failed"
+    p._flush_metrics()
+    assert _counters(client, keys)[f"episodes_dropped_{reason}"] == 2 and client.xlen(keys.traj) == 0
+    assert says in caplog.text and re.search(r"row \d+ \(epoch 0\): rollout http://", caplog.text)
+    assert client.lrange(keys.requeue, 0, -1) == [b"0"] and client.hlen(keys.row_attempts) == 1
+    _no_lease_or_slot_left(client, keys)
+
+
+def test_an_unreachable_or_busy_rollout_service_is_an_outage_not_the_rows_failure(
+    keys, redis_url, tmp_path, client
+):
+    with _Service(lambda body: (503, b"busy")) as service:
+        busy = service.url
+        p = _producer(_cfg(keys, redis_url, tmp_path, rollout=busy), client)
+        p.stop.set()  # no backoff wait in the test
+        assert p.step() == "error"
+    p = _producer(_cfg(keys, redis_url, tmp_path, rollout=busy), client)  # now nothing listens there
+    p.stop.set()
+    assert p.step() == "error"
+    assert client.hlen(keys.row_attempts) == 0, "an outage is not an attempt"
+    assert client.lrange(keys.requeue, 0, -1) == [b"0"]
+    _no_lease_or_slot_left(client, keys)

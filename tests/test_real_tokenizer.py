@@ -148,3 +148,47 @@ def test_re_rendering_the_history_is_caught_as_a_prefix_mismatch(model_dir):
     first_merge = next(i for i, (a, b) in enumerate(zip(per_char, rerendered[start:])) if a != b)
     assert e.value.index == start + first_merge
     assert t.next_prompt() == renderer.render(row) + ids, "nothing was folded in"
+
+
+def test_an_openai_agent_with_tools_round_trips_through_the_proxy(model_dir):
+    """The agent sees ``tool_calls`` parsed from the sampled text and sends them back as
+    OpenAI messages; the proxy re-renders them with the template and the history still
+    extends the sampled tokens: one chain, the tool's tokens at weight 0."""
+    import anyio
+    import openai
+
+    from producers.proxy import proxied
+    from streamer.rollout_types import RolloutContext, Task
+
+    tok = models.load_tokenizer(ModelSection(name_or_path=str(model_dir)))
+    renderer = Renderer(tok)
+    replies = iter([CALL_TEXT, "The answer is 391."])
+
+    async def sample_fn(prompt_ids, **kwargs):
+        return [_sampled(tok, next(replies), version=7)]
+
+    ctx = RolloutContext(Task([], renderer, None, ""), 1, 1.0, 1.0, 64, 0, sample_fn)
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+
+    @proxied
+    async def agent(row, endpoint):
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+        history = list(row["messages"])
+        async with client:
+            reply = await client.chat.completions.create(model="m", messages=history, tools=tools)
+            (call,) = reply.choices[0].message.tool_calls
+            assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "calculator"
+            history.append(reply.choices[0].message.model_dump(exclude_none=True))
+            history.append({"role": "tool", "tool_call_id": call.id, "content": "391"})
+            reply = await client.chat.completions.create(model="m", messages=history, tools=tools)
+        return float("391" in reply.choices[0].message.content)
+
+    row = {"messages": [{"role": "user", "content": "What is 17 times 23? Use the calculator."}]}
+    (ep,) = anyio.run(agent, row, ctx)
+    assert ep.reward == 1.0 and ep.metrics["turns"] == 2 and ep.metrics["proxy_divergences"] == 0
+    sample = to_sample(ep, vocab_size=len(tok))
+    tool = renderer.render_suffix([{"role": "tool", "content": "391"}])
+    context = [s.tokens for s in ep.segments if not s.sampled]
+    assert context == [renderer.render(row), tool] and sample.loss_mask().sum() == sum(
+        len(s.tokens) for s in ep.segments if s.sampled
+    )

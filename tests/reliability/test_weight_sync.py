@@ -14,8 +14,8 @@ import os
 import torch
 from harness import report
 
-from consumers.evaluator import Evaluator
 from producers.components import build, load_task, local_sampler
+from producers.evaluator import Evaluator
 from producers.producer import Producer
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
 from streamer import demo, models, weights

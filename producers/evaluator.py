@@ -22,6 +22,7 @@ import time
 
 import redis
 
+from producers import rollout as rollouts
 from producers.components import load_task, local_sampler
 from producers.dataset import DatasetError
 from producers.follow import WeightFollower
@@ -32,7 +33,7 @@ from streamer.bus import Publisher
 from streamer.config import RunConfig
 from streamer.connection import connect, retrying
 from streamer.keys import Keys
-from streamer.rollout_types import Task, load_rollout
+from streamer.rollout_types import Task
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Evaluator:
             self.rows,
             task=self.task,
             sampler=self.sampler,
-            rollout=load_rollout(self.cfg.producer.rollout),
+            rollout=rollouts.load(self.cfg.producer.rollout),
             max_new_tokens=self.eval_cfg.max_new_tokens,
         )
         rewards = [e.reward if e is not None else 0.0 for e in episodes]

@@ -1,0 +1,383 @@
+"""Black-box agents: an OpenAI-compatible ``/v1/chat/completions`` served by the producer.
+
+An agent written with any OpenAI client becomes a rollout with :func:`proxied`::
+
+    @proxied
+    async def agent(row: dict, endpoint: Endpoint) -> float:
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)
+        reply = await client.chat.completions.create(model=endpoint.model, messages=[...])
+        ...
+        return reward
+
+Each of the G episodes of a row gets its own session on the process's proxy (127.0.0.1,
+an ephemeral port, started on first use) with its own key. Every call is rendered with
+the model's chat template (``tools`` included), sampled through the producer's sampler
+(``ctx.sample``: the run's temperature, top-p and seed, stamped with the version that
+sampled it; the request's sampling fields are ignored, since the trainer's importance
+weights assume the run's), recorded, and answered as a ``chat.completion``.
+
+The proxy assembles the trajectory from the token ids it saw, never from the agent's
+text. A call whose prompt starts with every token of an earlier call's chain (prompt +
+completion) *extends* that chain, and what it adds is context with weight 0. Otherwise
+it starts a new chain: a *divergence* (counted, ``proxy_divergences``) when it shares the
+chain's first prompt but breaks a later token (the agent re-sent the history in a form
+that re-tokenizes differently: edited, summarised, or stripped), else a new conversation.
+The episode is the chain the agent's last call extended; earlier chains are not trained.
+
+With ``tools`` in a request, a completion's Hermes-style calls
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format of Qwen and many
+open models) come back as ``tool_calls``; arguments sent back as JSON strings are parsed
+into objects before rendering, as templates that ``tojson`` them expect.
+
+Bad requests get a 4xx with a reason (OpenAI's error shape), never a crash: a body that
+is not JSON or does not match the schema (the reason names the field), an unknown key,
+``n`` other than 1, ``stream``, messages the template cannot render, a prompt with no
+room left under ``trainer.max_seq_len``. A failed engine call is a 502.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import msgspec
+
+from streamer.errors import PrefixMismatch, SamplerError
+from streamer.rollout_types import Completion, Episode, Rollout, RolloutContext, episodes
+from streamer.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+MODEL = "streamer-policy"  # the model name the proxy reports (any name is accepted)
+MAX_BODY = 8 << 20  # bytes
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one episode's agent sends its calls."""
+
+    base_url: str  # http://127.0.0.1:PORT/v1
+    api_key: str  # this episode's key: calls with it are this episode's
+    model: str = MODEL
+
+    def env(self) -> dict[str, str]:
+        """The variables OpenAI clients read, for an agent run as a subprocess."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key}
+
+
+Agent = Callable[[dict, Endpoint], Awaitable[float]]
+
+
+def proxied(fn: Agent | None = None, *, max_trim_tokens: int = 0):
+    """A rollout running agent ``fn(row, endpoint) -> reward`` once per episode (G at once).
+
+    ``max_trim_tokens``: a call may drop that many trailing tokens of the last completion
+    (a client that strips whitespace) and still extend its chain (:mod:`streamer.trajectory`).
+    """
+
+    def wrap(fn: Agent) -> Rollout:
+        @functools.wraps(fn)
+        async def episode(row: dict, ctx: RolloutContext, index: int) -> Episode:
+            with server().session(ctx, max_trim_tokens=max_trim_tokens) as s:
+                reward = await fn(row, s.endpoint)
+                return s.episode(reward)
+
+        return episodes(episode)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+# ---------------------------------------------------------------- requests
+
+
+class _Part(msgspec.Struct):
+    type: str
+    text: str = ""
+
+
+class _Message(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str | list[_Part] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class _Request(msgspec.Struct):
+    messages: list[_Message]
+    model: str = MODEL
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int = 1
+    stream: bool = False
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _parse(body: bytes) -> _Request:
+    try:
+        req = msgspec.json.decode(body, type=_Request)
+    except msgspec.DecodeError as e:
+        raise BadRequest(400, f"bad request body: {e}") from None
+    if req.n != 1:
+        raise BadRequest(400, f"n must be 1 (each call samples one completion of the episode), not {req.n}")
+    if req.stream:
+        raise BadRequest(400, "stream is not supported")
+    if not req.messages:
+        raise BadRequest(400, "messages is empty")
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if limit is not None and limit < 1:
+        raise BadRequest(400, f"max_tokens must be >= 1, not {limit}")
+    return req
+
+
+def _as_template_input(m: _Message) -> dict:
+    """A message as chat templates take it: text parts joined, tool arguments as objects."""
+    out = msgspec.to_builtins(m)
+    if isinstance(m.content, list):
+        if any(p.type != "text" for p in m.content):
+            raise BadRequest(400, f"only text content is supported (a {m.role} message has other parts)")
+        out["content"] = "".join(p.text for p in m.content)
+    elif m.content is None:
+        out["content"] = ""
+    for call in out.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                raise BadRequest(400, f"tool call arguments are not JSON: {fn['arguments'][:80]!r}") from None
+    return out
+
+
+def _tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Hermes-style ``<tool_call>{...}</tool_call>`` in ``text``: (content before them, calls)."""
+    calls = []
+    for i, m in enumerate(_TOOL_CALL.finditer(text)):
+        try:
+            parsed = json.loads(m.group(1))
+        except ValueError:
+            continue  # not a call the agent could run: it stays in the content
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+            continue
+        arguments = parsed.get("arguments", {})
+        calls.append(
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": parsed["name"], "arguments": json.dumps(arguments)},
+            }
+        )
+    if not calls:
+        return text, []
+    return text[: text.index("<tool_call>")], calls
+
+
+# ---------------------------------------------------------------- sessions
+
+
+class Session:
+    """One episode's calls, folded into chains of token-exact turns."""
+
+    def __init__(self, ctx: RolloutContext, endpoint: Endpoint, *, max_trim_tokens: int = 0):
+        self.ctx, self.endpoint, self.max_trim_tokens = ctx, endpoint, max_trim_tokens
+        self.token = anyio.lowlevel.current_token()  # the producer's event loop
+        self.chains: list[Trajectory] = []
+        self.last: Trajectory | None = None
+        self.calls = self.divergences = 0
+        self.lock = threading.Lock()  # an agent may send calls in parallel
+
+    def fold(self, prompt: list[int], completion: Completion) -> str:
+        """Record one call: "extended", "diverged" or "new" (see the module docstring)."""
+        with self.lock:
+            self.calls += 1
+            shares_prompt = False
+            for chain in sorted(self.chains, key=lambda c: len(c.tokens), reverse=True):
+                try:
+                    chain.extend(prompt, completion)
+                except PrefixMismatch as e:
+                    shares_prompt |= e.index >= len(chain.segments[0].tokens)
+                    continue
+                self.last = chain
+                return "extended"
+            chain = Trajectory(prompt, max_trim_tokens=self.max_trim_tokens)
+            chain.extend(prompt, completion)
+            self.chains.append(chain)
+            self.last = chain
+            if shares_prompt:
+                self.divergences += 1
+                return "diverged"
+            return "new"
+
+    def episode(self, reward: float) -> Episode:
+        """The trained episode: the chain of the last call (none: a malformed, empty one)."""
+        with self.lock:
+            extra = {"proxy_calls": float(self.calls), "proxy_divergences": float(self.divergences)}
+            if self.last is None:
+                return Episode([], reward, metrics=extra)
+            return self.last.episode(reward, **extra)
+
+    async def sample(self, prompt: list[int], max_new_tokens: int) -> Completion:
+        (c,) = await self.ctx.sample(prompt, n=1, max_new_tokens=max_new_tokens)
+        return c
+
+
+class ProxyServer:
+    """The process's proxy: one HTTP server, a session per episode in flight."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://{host}:{self.httpd.server_address[1]}/v1"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="proxy", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def session(self, ctx: RolloutContext, *, max_trim_tokens: int = 0) -> Iterator[Session]:
+        """A new episode's session, with its own key, for as long as the block runs."""
+        key = "sk-episode-" + secrets.token_urlsafe(18)
+        s = Session(ctx, Endpoint(self.base_url, key), max_trim_tokens=max_trim_tokens)
+        with self._lock:
+            self.sessions[key] = s
+        try:
+            yield s
+        finally:
+            with self._lock:
+                del self.sessions[key]
+
+    def lookup(self, authorization: str | None) -> Session:
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        with self._lock:
+            s = self.sessions.get(key)
+        if s is None:
+            raise BadRequest(401, "unknown API key (each episode has its own; this one is over or never was)")
+        return s
+
+    def complete(self, session: Session, body: bytes) -> dict:
+        """One chat completion: render, sample in the producer's loop, record, answer."""
+        req = _parse(body)
+        messages = [_as_template_input(m) for m in req.messages]
+        renderer, ctx = session.ctx.task.renderer, session.ctx
+        try:
+            prompt = renderer.render_messages(messages, tools=req.tools)
+        except Exception as e:  # a template error names what it could not render
+            raise BadRequest(400, f"cannot render the messages: {type(e).__name__}: {e}") from None
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        budget = min(limit or ctx.max_new_tokens, ctx.max_new_tokens)
+        if ctx.max_seq_len:
+            room = ctx.max_seq_len - len(prompt)
+            if room < 1:
+                raise BadRequest(
+                    400, f"the prompt is {len(prompt)} tokens: no room under max_seq_len {ctx.max_seq_len}"
+                )
+            budget = min(budget, room)
+        try:
+            c = anyio.from_thread.run(session.sample, prompt, budget, token=session.token)
+        except SamplerError as e:
+            raise BadRequest(502, f"the engine call failed: {e}") from None
+        except RuntimeError as e:  # the episode's event loop is gone
+            raise BadRequest(503, f"the episode is over: {e}") from None
+        how = session.fold(prompt, c)
+        if how == "diverged":
+            log.warning("proxy: a call re-tokenized an earlier turn; a new chain starts (counted)")
+        text = renderer.decode(c.token_ids)
+        content, calls = _tool_calls(text) if req.tools else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        finish = c.finish_reason
+        if calls:
+            message["tool_calls"], finish = calls, "tool_calls"
+        return {
+            "id": f"chatcmpl-{secrets.token_hex(8)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(c.token_ids),
+                "total_tokens": len(prompt) + len(c.token_ids),
+            },
+        }
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+_server: ProxyServer | None = None
+_server_lock = threading.Lock()
+
+
+def server() -> ProxyServer:
+    """The process's proxy, started on first use."""
+    global _server
+    with _server_lock:
+        if _server is None:
+            _server = ProxyServer()
+            log.info("OpenAI-compatible proxy for agents on %s", _server.base_url)
+        return _server
+
+
+def _handler(proxy: ProxyServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > MAX_BODY:
+                    self.close_connection = True  # the body is not read
+                    raise BadRequest(413, f"body of {length} bytes > {MAX_BODY}")
+                body = self.rfile.read(length)
+                if self.path.rstrip("/") != "/v1/chat/completions":
+                    raise BadRequest(404, f"no route {self.path} (the proxy serves /v1/chat/completions)")
+                session = proxy.lookup(self.headers.get("Authorization"))
+                self._send(200, proxy.complete(session, body))
+            except BadRequest as e:
+                self._error(e.status, str(e))
+            except Exception as e:  # a bug here must not take the producer down
+                log.exception("proxy: request failed")
+                self._error(500, f"{type(e).__name__}: {e}")
+
+        def do_GET(self):
+            if self.path.rstrip("/") == "/v1/models":
+                return self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+            self._error(404, f"no route {self.path}")
+
+        def _error(self, status: int, message: str) -> None:
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            self._send(status, {"error": {"message": message, "type": kind, "code": status}})
+
+        def _send(self, status: int, payload: dict) -> None:
+            raw = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+    return Handler
