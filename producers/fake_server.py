@@ -18,8 +18,9 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from producers import httpd
+from producers.httpd import JsonHandler
 from producers.samplers import Completion
 
 Backend = Callable[[dict], list[Completion]]
@@ -77,9 +78,7 @@ class FakeCompletionsServer:
         self.bodies: list[dict] = []
         self._fail: list[int] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer((host, 0), _handler(self))
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._server = httpd.server(_handler(self), host)
 
     @property
     def url(self) -> str:
@@ -87,7 +86,7 @@ class FakeCompletionsServer:
         return f"http://{host}:{port}"
 
     def start(self) -> FakeCompletionsServer:
-        self._thread.start()
+        httpd.start(self._server, "fake-completions")
         return self
 
     def stop(self) -> None:
@@ -169,47 +168,25 @@ class FakeCompletionsServer:
 
 
 def _handler(server: FakeCompletionsServer):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        disable_nagle_algorithm = True  # headers and body go out as separate writes
-
+    class Handler(JsonHandler):
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
             try:
                 body = json.loads(self.rfile.read(length) or b"{}")
             except ValueError:
-                return self._send(400, {"object": "error", "message": "bad JSON", "code": 400})
+                return self.send_json(400, {"object": "error", "message": "bad JSON", "code": 400})
             if self.path == "/v1/completions":
-                return self._send(*server.answer(body))
+                return self.send_json(*server.answer(body))
             if self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
                 name = body.get("lora_name", "")
                 if self.path.startswith("/v1/load"):
                     server.adapters[name] = body.get("lora_path", "")
                 else:
                     server.adapters.pop(name, None)
-                return self._send_text(200, f"Success: LoRA adapter '{name}' updated.")
+                return self.send_body(200, f"Success: LoRA adapter '{name}' updated.".encode())
             if self.path == server.reload_path:
                 server.reloads.append(body.get("model_path", ""))
-                return self._send(200, {"success": True, "message": "loaded"})
-            return self._send(404, {"object": "error", "message": f"no route {self.path}", "code": 404})
-
-        def _send(self, status: int, payload: dict) -> None:
-            raw = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def _send_text(self, status: int, text: str) -> None:
-            raw = text.encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def log_message(self, *args) -> None:  # quiet
-            pass
+                return self.send_json(200, {"success": True, "message": "loaded"})
+            return self.send_json(404, {"object": "error", "message": f"no route {self.path}", "code": 404})
 
     return Handler

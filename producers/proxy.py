@@ -47,7 +47,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import anyio
@@ -55,6 +54,8 @@ import anyio.from_thread
 import anyio.lowlevel
 import msgspec
 
+from producers import httpd
+from producers.httpd import JsonHandler
 from streamer.errors import PrefixMismatch, SamplerError
 from streamer.rollout_types import Completion, Episode, Rollout, RolloutContext, episodes
 from streamer.trajectory import Trajectory
@@ -244,14 +245,12 @@ class Session:
 class ProxyServer:
     """The process's proxy: one HTTP server, a session per episode in flight."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1"):
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True
+        self.httpd = httpd.server(_handler(self), host)
         self.base_url = f"http://{host}:{self.httpd.server_address[1]}/v1"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="proxy", daemon=True)
-        self._thread.start()
+        httpd.start(self.httpd, "agent-proxy")
 
     @contextmanager
     def session(self, ctx: RolloutContext, *, max_trim_tokens: int = 0) -> Iterator[Session]:
@@ -340,9 +339,7 @@ def server() -> ProxyServer:
 
 
 def _handler(proxy: ProxyServer):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class Handler(JsonHandler):
         def do_POST(self):
             try:
                 length = int(self.headers.get("Content-Length") or 0)
@@ -353,7 +350,7 @@ def _handler(proxy: ProxyServer):
                 if self.path.rstrip("/") != "/v1/chat/completions":
                     raise BadRequest(404, f"no route {self.path} (the proxy serves /v1/chat/completions)")
                 session = proxy.lookup(self.headers.get("Authorization"))
-                self._send(200, proxy.complete(session, body))
+                self.send_json(200, proxy.complete(session, body))
             except BadRequest as e:
                 self._error(e.status, str(e))
             except Exception as e:  # a bug here must not take the producer down
@@ -362,22 +359,11 @@ def _handler(proxy: ProxyServer):
 
         def do_GET(self):
             if self.path.rstrip("/") == "/v1/models":
-                return self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+                return self.send_json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
             self._error(404, f"no route {self.path}")
 
         def _error(self, status: int, message: str) -> None:
             kind = "invalid_request_error" if status < 500 else "server_error"
-            self._send(status, {"error": {"message": message, "type": kind, "code": status}})
-
-        def _send(self, status: int, payload: dict) -> None:
-            raw = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def log_message(self, *args) -> None:  # quiet
-            pass
+            self.send_json(status, {"error": {"message": message, "type": kind, "code": status}})
 
     return Handler

@@ -247,29 +247,24 @@ class _Service:
 
     def __init__(self, reply):
         import json
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from producers import httpd
 
         self.requests: list[dict] = []
         service = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(httpd.JsonHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 service.requests.append(body)
                 status, payload = reply(body)
-                raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                if isinstance(payload, bytes):
+                    return self.send_body(status, payload)
+                self.send_json(status, payload)
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = httpd.server(Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/rollout"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        httpd.start(self.httpd)
 
     def __enter__(self):
         return self
