@@ -8,8 +8,12 @@ per rank, so the figure only shows the path works end to end.
 
     python bench/dp_scaling.py                      # 1 vs 2 ranks, small model (CPU: ~1 min)
     python bench/dp_scaling.py --nproc 8 --hidden 2048 --layers 16 --seq 2048 --rows 64   # 8 GPUs
+    python bench/dp_scaling.py --nproc 8 --hidden 4096 --layers 32 --seq 2048 --rows 64 --fsdp
+                                                    # the N-rank side sharded (trainer.fsdp)
 
-Prints one line per side and `ratios: dp_speedup=...x`.
+Prints one line per side (with peak GPU memory per rank on a GPU) and
+`ratios: dp_speedup=...x`; with ``--fsdp`` also `memory_per_rank=...x` (sharded N-rank
+peak / 1-rank peak; ideal about 1/N for the weights and AdamW state).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=32, help="samples per trainer step")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     p.add_argument("--micro", type=int, default=4, help="trainer.micro_batch_size")
+    p.add_argument("--fsdp", action="store_true", help="shard the N-rank side (FSDP2) instead of replicating")
     p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
     p.add_argument("--out", help=argparse.SUPPRESS)  # a rank's result file (internal)
     return p.parse_args(argv)
@@ -52,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     from streamer.config import TrainerSection
 
     torch.set_num_threads(1 if not torch.cuda.is_available() else torch.get_num_threads())
-    dp = DataParallel.init()
+    dp = DataParallel.init(sharded=args.fsdp)
     device = dp.device if dp else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     heads = max(args.hidden // 64, 2)
@@ -88,15 +93,17 @@ def worker(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     if dp is None or dp.rank == 0:
         tokens = args.steps * batch.num_tokens
-        Path(args.out).write_text(json.dumps({"seconds": seconds, "tokens": tokens, "device": str(device)}))
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        result = {"seconds": seconds, "tokens": tokens, "device": str(device), "peak_bytes": peak}
+        Path(args.out).write_text(json.dumps(result))
     if dp is not None:
         dp.close(clean=True)
 
 
 def side(args: argparse.Namespace, nproc: int, out: Path) -> dict:
-    own = [
-        f"--{k}={v}" for k, v in vars(args).items() if k not in ("nproc", "out", "quick") and v is not None
-    ]
+    skip = ("nproc", "out", "quick", "fsdp")
+    own = [f"--{k}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
+    own += ["--fsdp"] if args.fsdp and nproc > 1 else []
     script = [str(Path(__file__).resolve()), *own, f"--out={out}"]
     cmd = [sys.executable, *script]
     if nproc > 1:
@@ -123,10 +130,20 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         one = side(args, 1, Path(tmp) / "one.json")
         many = side(args, args.nproc, Path(tmp) / "many.json")
-    for name, r in ((f"1 rank  ({one['device']})", one), (f"{args.nproc} ranks ({many['device']})", many)):
-        print(f"{name:24s} {r['tokens'] / r['seconds']:>12,.0f} trained tokens/s  ({r['seconds']:.2f}s)")
+    kind = "sharded" if args.fsdp else "replicated"
+    for name, r in (
+        (f"1 rank  ({one['device']})", one),
+        (f"{args.nproc} ranks {kind} ({many['device']})", many),
+    ):
+        peak = f", peak {r['peak_bytes'] / 2**30:.2f} GiB per rank" if r["peak_bytes"] else ""
+        print(
+            f"{name:34s} {r['tokens'] / r['seconds']:>12,.0f} trained tokens/s  ({r['seconds']:.2f}s{peak})"
+        )
     speedup = (many["tokens"] / many["seconds"]) / (one["tokens"] / one["seconds"])
-    print(f"ratios: dp_speedup={speedup:.2f}x (ideal {args.nproc}x)")
+    line = f"ratios: dp_speedup={speedup:.2f}x (ideal {args.nproc}x)"
+    if args.fsdp and one["peak_bytes"]:
+        line += f"  memory_per_rank={many['peak_bytes'] / one['peak_bytes']:.2f}x"
+    print(line)
     return 0
 
 

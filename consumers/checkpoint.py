@@ -144,10 +144,28 @@ def restore(path: Path, meta: CheckpointMeta, *, model, optimizer: torch.optim.O
     """Load weights, optimizer state and RNG state of a verified checkpoint in place."""
     path = Path(path)
     weights.load_into(model, path / "model")
+    optimizer.load_state_dict(_optimizer_state(path, meta))
+    _restore_rng(path, meta)
+
+
+def read(path: Path, meta: CheckpointMeta, *, model) -> tuple[dict[str, torch.Tensor], dict]:
+    """A sharded trainer's restore: the full weights (checked against ``model``) and optimizer
+    state as one process saved them, for each rank to take its shards of; RNG restored."""
+    path = Path(path)
+    full = weights.read_full(model, path / "model")
+    state = _optimizer_state(path, meta)
+    _restore_rng(path, meta)
+    return full, state
+
+
+def _optimizer_state(path: Path, meta: CheckpointMeta) -> dict:
     # copies, not views into the file's mmap: the optimizer keeps them, and a mapped file's
     # disk space is not freed when the checkpoint is pruned (nor can its disk go read-only)
     tensors = {k: t.clone() for k, t in load_file(path / "optimizer.safetensors").items()}
-    optimizer.load_state_dict(_unflatten_optimizer(tensors, meta.optimizer))
+    return _unflatten_optimizer(tensors, meta.optimizer)
+
+
+def _restore_rng(path: Path, meta: CheckpointMeta) -> None:
     rng = load_file(path / "rng.safetensors")
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available():

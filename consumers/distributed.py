@@ -18,8 +18,18 @@ A rank that dies takes the step's collective down with it; torchrun then stops t
 ranks, and a restart resumes from the last checkpoint like a single trainer's restart:
 the entries trained since are still pending and are trained again, once.
 
-Models that do not fit one device need FSDP2 (``fully_shard``) instead of replication;
-that path is not built yet (see docs/SCALING.md).
+With ``trainer.fsdp = true`` the ranks shard instead of replicating (FSDP2,
+``fully_shard`` on every decoder layer and the root): each rank holds 1/N of the fp32
+weights, gradients and AdamW state, gathers a layer's weights for its forward and backward
+(in the compute dtype, bf16 on a GPU: a ``MixedPrecisionPolicy`` with fp32 gradient
+reduction) and reduce-scatters the gradients as sums. Every forward is then a collective,
+so every rank runs the same number of micro-batches per minibatch (a rank short of rows
+runs a zero-loss pass). After each step the ranks gather the full weights onto rank 0's CPU
+for the version writer; at a checkpoint they gather the full AdamW state too. A checkpoint
+is the same full, index-keyed safetensors set a single process writes, so a run can resume
+under any number of ranks, sharded or not: its cost is that rank 0's host memory holds the
+full fp32 state (16 bytes a parameter with AdamW: 112 GB for 7B, within a GPU node's RAM),
+which per-rank shards would avoid at the price of a format tied to the world size.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ _FIELDS = (
     ("sampler_logp", torch.float32, lambda b, t: (b, t - 1)),
     ("advantages", torch.float32, lambda b, t: (b,)),
 )
-_STOP, _BATCH, _RESTORE = 0, 1, 2
+_STOP, _BATCH, _RESTORE, _CHECKPOINT = 0, 1, 2, 3
 
 
 def launch(nproc: int, argv: list[str]) -> None:
@@ -77,12 +87,12 @@ def world() -> tuple[int, int, int]:
 class DataParallel:
     """The collectives of one data-parallel trainer; ``device`` is where they run."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, sharded: bool = False):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = device
+        self.device, self.sharded = device, sharded
 
     @classmethod
-    def init(cls) -> DataParallel | None:
+    def init(cls, *, sharded: bool = False) -> DataParallel | None:
         """Join torchrun's process group (NCCL on GPUs, gloo on CPUs); None when not under torchrun."""
         rank, size, local = world()
         if size <= 1:
@@ -92,8 +102,8 @@ class DataParallel:
             torch.cuda.set_device(local)
         dist.init_process_group("nccl" if cuda else "gloo")
         device = torch.device("cuda", local) if cuda else torch.device("cpu")
-        log.info("data-parallel rank %d of %d on %s", rank, size, device)
-        return cls(device)
+        log.info("data-parallel rank %d of %d on %s%s", rank, size, device, " (FSDP)" if sharded else "")
+        return cls(device, sharded=sharded)
 
     # ---------------------------------------------------------------- what the learner asks
 
@@ -144,11 +154,18 @@ class DataParallel:
     def send_stop(self) -> None:
         self._header(_STOP, 0, 0)
 
+    def send_checkpoint(self) -> None:
+        """Rank 0, sharded: gather the optimizer state for a checkpoint (every rank takes part)."""
+        self._header(_CHECKPOINT, 0, 0)
+
     def receive(self) -> tuple[str, Batch | str | None]:
-        """Followers: the next message: ("batch", Batch), ("restore", name) or ("stop", None)."""
+        """Followers: the next message: ("batch", Batch), ("restore", name), ("checkpoint",
+        None) or ("stop", None)."""
         kind, rows, cols = self._header()
         if kind == _STOP:
             return "stop", None
+        if kind == _CHECKPOINT:
+            return "checkpoint", None
         if kind == _RESTORE:
             raw = torch.empty(rows, dtype=torch.uint8, device=self.device)
             if rows:
@@ -183,3 +200,71 @@ class DataParallel:
             if clean:
                 dist.barrier()
             dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- FSDP2 (trainer.fsdp)
+
+
+def shard_model(model, *, param_dtype: torch.dtype | None = None) -> None:
+    """``fully_shard`` every decoder layer (the classes HF lists in ``_no_split_modules``),
+    then the root; gradients reduce as sums (the learner's denominators are the minibatch's)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """The full weights on rank 0's CPU ({} on the others); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(cpu_offload=True))
+
+
+def full_optimizer_state(model, optimizer, params: list) -> dict:
+    """The full AdamW state on rank 0 ({} elsewhere), keyed like ``optimizer.state_dict()``
+    of one process (parameter indices), so checkpoints do not depend on the world size."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    if not sd:
+        return {}
+    index = {name: i for i, name in enumerate(_param_names(model, params))}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in sd["param_groups"]]
+    return {"state": {index[n]: v for n, v in sd["state"].items()}, "param_groups": groups}
+
+
+def load_full(model, optimizer, params: list, weights: dict, optimizer_state: dict | None) -> None:
+    """Every rank: take its shards of full (single-process) weights and optimizer state."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(model, weights, options=_options(strict=False))  # tied copies: checked by the caller
+    if optimizer_state:
+        names = _param_names(model, params)
+        sd = {
+            "state": {names[int(i)]: v for i, v in optimizer_state["state"].items()},
+            "param_groups": [
+                {**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]
+            ],
+        }
+        set_optimizer_state_dict(model, optimizer, sd, options=_options())
+
+
+def _param_names(model, params: list) -> list[str]:
+    """The names of ``params`` (the optimizer's, in its order)."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [by_id[id(p)] for p in params]

@@ -14,22 +14,26 @@ optimizer steps:
 
 Under torchrun (consumers/distributed.py) every rank runs this same step on its rows of
 each minibatch; denominators are the whole minibatch's and gradients and metrics are
-summed over ranks, so the result equals the single-device step.
+summed over ranks, so the result equals the single-device step. With ``trainer.fsdp`` the
+weights, gradients and AdamW state are sharded (FSDP2) and every rank runs the same number
+of passes (a rank short of rows runs a zero-loss one: each forward is a collective).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
 
+from consumers import distributed, losses, precision, schedule
 from consumers import loss as L
-from consumers import losses, precision, schedule
 from consumers.batch import Batch
 from consumers.distributed import DataParallel
-from streamer import lora
+from streamer import lora, weights
 from streamer.config import TrainerSection
+from streamer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +75,51 @@ class Learner:
             model.config.use_cache = False
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
+        self.sharded = bool(dp and dp.sharded)
+        self.full: dict[str, torch.Tensor] = {}  # sharded: the full weights after the last step (rank 0)
+        if self.sharded:
+            if dtype == torch.float16:
+                raise ConfigError(
+                    "trainer.fsdp: train in bfloat16 or float32 (no fp16 loss scaling under FSDP)"
+                )
+            gathered = None if dtype == torch.float32 else dtype  # layers gathered in the compute dtype
+            for m in (model, ref_model):
+                if m is not None:
+                    distributed.shard_model(m, param_dtype=gathered)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.loss_params = losses.params_of(cfg.loss, cfg)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
 
     @property
     def publishable(self):
-        """What a version and a checkpoint save: the model, or only its LoRA adapter."""
+        """What a version and a checkpoint save: the model, only its LoRA adapter, or (sharded,
+        rank 0) the full weights gathered after the last step."""
+        if self.sharded:
+            return FullWeights(self.model, self.full)
         return lora.AdapterView(self.model) if lora.is_peft(self.model) else self.model
+
+    def gather(self) -> None:
+        """Sharded: gather the full weights onto rank 0 (every rank calls it at the same point)."""
+        if self.sharded:
+            tied = weights.tied_keys(self.model)
+            self.full = {k: v for k, v in distributed.full_state(self.model).items() if k not in tied}
+
+    def checkpoint_optimizer(self):
+        """What a checkpoint saves of the optimizer (sharded: a collective gather, every rank)."""
+        if not self.sharded:
+            return self.optimizer
+        return _StateOf(distributed.full_optimizer_state(self.model, self.optimizer, self.params))
+
+    def restore(self, path, meta) -> None:
+        """Load a checkpoint's weights, optimizer and RNG state (every rank, when sharded)."""
+        from consumers import checkpoint
+
+        if not self.sharded:
+            checkpoint.restore(path, meta, model=self.model, optimizer=self.optimizer)
+        else:
+            full, optimizer_state = checkpoint.read(path, meta, model=self.model)
+            distributed.load_full(self.model, self.optimizer, self.params, full, optimizer_state)
+        self.step = meta.step
 
     def lr_at(self, step: int) -> float:
         """LR of optimizer step ``step`` (0-based; see consumers/schedule.py)."""
@@ -93,9 +134,29 @@ class Learner:
             out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         return out.logits[:, :-1]
 
+    def _passes(self, whole: Batch) -> int:
+        """Sharded: the micro-batch passes every rank runs on its share of ``whole``."""
+        return math.ceil(math.ceil(whole.size / self.dp.world) / self.cfg.micro_batch_size)
+
+    def _idle(self, whole: Batch, *, backward: bool) -> None:
+        """Sharded: a pass with no rows of this rank's (one row of ``whole``, zero loss), so
+        that its collectives match the other ranks'."""
+        row = whole.rows(slice(0, 1))
+        for model in (self.model,) if backward else (self.model, self.ref_model):
+            if model is not None:
+                logits = self.forward_logits(model, row)
+                if backward:
+                    (logits.float().sum() * 0.0).backward()
+
     @torch.no_grad()
-    def prepare(self, batch: Batch) -> tuple[Batch, float]:
-        """Fill ``prox_logp`` (and ``ref_logp``); returns the batch and its summed weighted entropy."""
+    def prepare(self, batch: Batch, whole: Batch | None = None) -> tuple[Batch, float]:
+        """Fill ``prox_logp`` (and ``ref_logp``); returns the batch and its summed weighted entropy.
+
+        ``whole``: the minibatch ``batch`` is this rank's share of (sharded ranks pad passes)."""
+        if self.sharded and whole is not None:
+            idle = self._passes(whole) - math.ceil(batch.size / self.cfg.micro_batch_size)
+            for _ in range(idle):
+                self._idle(whole, backward=False)
         if batch.size == 0:  # a data-parallel rank's share of a small minibatch
             return batch, 0.0
         micro = self.cfg.micro_batch_size
@@ -130,7 +191,7 @@ class Learner:
         # every proximal log-prob before the first update; a rank prepares only its own rows
         mine, entropy = [], 0.0
         for mb in minibatches:
-            prepared, ent = self.prepare(self.dp.shard(mb) if self.dp else mb)
+            prepared, ent = self.prepare(self.dp.shard(mb), mb) if self.dp else self.prepare(mb)
             mine.append(prepared)
             entropy += ent
         if self.dp:
@@ -144,6 +205,7 @@ class Learner:
             for k, v in self._update(local, whole=mb).items():
                 totals[k] = max(totals.get(k, 0.0), v) if k == "is_weight_max" else totals.get(k, 0.0) + v
         self.step += 1
+        self.gather()
         n = len(minibatches)
         kept = ("is_weight_max", "optimizer_steps_skipped")  # a max and a count, not means
         metrics = {k: (v if k in kept else v / n) for k, v in totals.items()}
@@ -168,7 +230,15 @@ class Learner:
         n_tok = max(float((whole.weights > 0).sum()), 1.0)
         out = {"loss": 0.0, "is_weight_max": 0.0}
         t0 = self._clock()
-        for micro in mb.chunks(cfg.micro_batch_size) if mb.size else ():
+        micros = list(mb.chunks(cfg.micro_batch_size)) if mb.size else []
+        passes = self._passes(whole) if self.sharded else len(micros)
+        for i in range(passes):
+            if self.sharded:  # reduce-scatter once, after the last pass
+                self.model.set_requires_gradient_sync(i == passes - 1)
+            if i >= len(micros):
+                self._idle(whole, backward=True)
+                continue
+            micro = micros[i]
             logits = self.forward_logits(self.model, micro)
             logp = L.token_logprobs(logits, micro.targets, self.temperature)
             loss, stats = L.policy_loss(
@@ -193,7 +263,8 @@ class Learner:
                 else:  # aggregated terms sum over micro-batches; token means weigh by share
                     out[k] = out.get(k, 0.0) + float(v) * (1.0 if k in _SUMMED else share)
         if self.dp:  # the sum over ranks is the single-device gradient (and metrics)
-            self.dp.sum_grads(self.params)
+            if not self.sharded:  # (FSDP reduce-scattered the sums already)
+                self.dp.sum_grads(self.params)
             out = self.dp.sum_metrics(out, maxima=("is_weight_max",))
         t1 = self._clock()
         out["grad_norm"], skipped = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
@@ -201,6 +272,33 @@ class Learner:
         self.phases["forward_backward_seconds"] += t1 - t0
         self.phases["optimizer_seconds"] += self._clock() - t1
         return out
+
+
+class FullWeights:
+    """Sharded: the full weights gathered on rank 0 (fresh CPU tensors, tied copies left
+    out), saved like the model (HF layout); their own snapshot for the version writer."""
+
+    def __init__(self, model, state: dict[str, torch.Tensor]):
+        self.model, self.state = model, state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+    def snapshot(self) -> FullWeights:
+        return self
+
+    def save_pretrained(self, path, state_dict=None, **kwargs) -> None:
+        self.model.save_pretrained(path, state_dict=state_dict or self.state, **kwargs)
+
+
+class _StateOf:
+    """An optimizer state dict that a checkpoint saves like an optimizer's."""
+
+    def __init__(self, sd: dict):
+        self.sd = sd
+
+    def state_dict(self) -> dict:
+        return self.sd
 
 
 PHASES = (

@@ -78,7 +78,8 @@ class Precision:
         """Clip and apply the accumulated gradient; (grad norm, whether the step was skipped)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
         finite = torch.isfinite(torch.tensor(grad_norm)).item()
         if finite:
             if self.scaler is not None:

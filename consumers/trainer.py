@@ -140,12 +140,12 @@ class Trainer:
             self.dp.send_restore("" if found is None else str(found[0]))
         if found is None:
             log.info("no checkpoint in %s: starting from the initial weights", self.cfg.checkpoint_dir)
-            return
-        path, meta = found
-        checkpoint.restore(path, meta, model=self.learner.model, optimizer=self.learner.optimizer)
-        self.learner.step = meta.step
-        self.parent, self.high_water, self.checkpointed_version = meta.name, meta.high_water, meta.version
-        log.info("restored checkpoint %s (step %d, high-water %s)", meta.name, meta.step, meta.high_water)
+        else:
+            path, meta = found
+            self.learner.restore(path, meta)
+            self.parent, self.high_water, self.checkpointed_version = meta.name, meta.high_water, meta.version
+            log.info("restored checkpoint %s (step %d, high-water %s)", meta.name, meta.step, meta.high_water)
+        self.learner.gather()  # sharded: the weights publish_now writes
 
     def _next_version(self) -> int:
         """One past the newest version anywhere: policy stream, version key, the checkpoint,
@@ -284,10 +284,12 @@ class Trainer:
         """Persist what was trained, then acknowledge the entries it covers."""
         self.versions.drain()  # its version is published before a checkpoint names it
         covered = self.feed.covered()
+        if self.dp and self.dp.sharded:  # the optimizer state is gathered by every rank
+            self.dp.send_checkpoint()
         meta = checkpoint.save(
             self.cfg.checkpoint_dir,
             model=self.learner.publishable,
-            optimizer=self.learner.optimizer,
+            optimizer=self.learner.checkpoint_optimizer(),
             step=self.step,
             version=self.version,
             parent=self.parent,
@@ -332,11 +334,12 @@ def follow(cfg: RunConfig, dp: DataParallel) -> int:
         if kind == "stop":  # the caller leaves the group (DataParallel.leave)
             log.info("rank %d: stopped at step %d", dp.rank, learner.step)
             return 0
-        if kind == "restore" and payload:
-            path = Path(payload)
-            meta = checkpoint.read_meta(path)
-            checkpoint.restore(path, meta, model=learner.model, optimizer=learner.optimizer)
-            learner.step = meta.step
+        if kind == "restore":
+            if payload:
+                learner.restore(Path(payload), checkpoint.read_meta(Path(payload)))
+            learner.gather()
+        elif kind == "checkpoint":
+            learner.checkpoint_optimizer()  # rank 0 writes what every rank gathers
         elif kind == "batch":
             learner.train_step(payload)
 
@@ -359,7 +362,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
             group_size=cfg.producer.group_size,
             min_group_size=cfg.trainer.min_group_size,
         )
-        dp = DataParallel.init()  # under torchrun; rank 0 trains below, the others follow it
+        dp = DataParallel.init(sharded=cfg.trainer.fsdp)  # under torchrun; rank 0 trains, the others follow
         if dp is not None and dp.rank > 0:
             dp.leave(follow(cfg, dp))  # a follower has nothing left to write
         client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")

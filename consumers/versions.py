@@ -89,7 +89,8 @@ class VersionPublisher:
         """Snapshot ``model`` now, publish it as ``version`` soon; returns seconds blocked."""
         self._raise_if_failed()
         start = time.monotonic()
-        self._queue.put((WeightsCopy(model), version, step))
+        snapshot = model.snapshot() if hasattr(model, "snapshot") else WeightsCopy(model)
+        self._queue.put((snapshot, version, step))
         return time.monotonic() - start
 
     def drain(self) -> None:

@@ -186,6 +186,9 @@ class TrainerSection(_Section):
     checkpoint_every: PosInt = 10  # steps between checkpoints (and at exit)
     keep_versions: PosInt = 3  # weight versions kept on disk
     gradient_checkpointing: bool = False  # trade compute for memory
+    fsdp: bool = (
+        False  # under torchrun: shard weights, grads and AdamW state over the ranks (FSDP2), not replicate
+    )
     min_group_size: PosInt = 2  # fewer samples (after dropping over-long ones) rejects the group
     micro_batch_size: NonNegInt = 0  # samples per forward/backward (grad accumulation); 0 = whole minibatch
     keep_checkpoints: PosInt = 2  # full checkpoints kept; older ones keep only their audit metadata
@@ -271,6 +274,10 @@ class RunConfig(_Section):
             raise ValueError(
                 f"key `trainer.min_group_size`: is {self.trainer.min_group_size}, but advantage "
                 f"{self.trainer.advantage!r} needs at least 2 samples per group"
+            )
+        if self.trainer.fsdp and self.model.lora.rank > 0:
+            raise ValueError(
+                "key `trainer.fsdp`: LoRA adapters (`model.lora.rank` > 0) are not supported with FSDP yet"
             )
 
     @property

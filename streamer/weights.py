@@ -90,7 +90,7 @@ def save(model, directory: Path) -> dict[str, dict]:
         return {
             f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size} for f in sorted(directory.iterdir())
         }
-    tensors = _unaliased(state if isinstance(state, dict) else base.state_dict(), _tied_keys(base))
+    tensors = _unaliased(state if isinstance(state, dict) else base.state_dict(), tied_keys(base))
     sha, size = tensorfile.write(directory / WEIGHTS_FILE, tensors, {"format": "pt"})
     base.config.to_json_file(directory / "config.json")
     generation = getattr(base, "generation_config", None)
@@ -264,7 +264,7 @@ def load_into(model, directory: Path) -> None:
     params = model.state_dict()
     files = sorted(Path(directory).glob("*.safetensors"))
     names = set().union(*(tensorfile.header(f)[0].keys() for f in files))
-    tied = _tied_keys(model)
+    tied = tied_keys(model)
     missing = [k for k in params if k not in names and k not in tied]
     unexpected = sorted(names - params.keys())
     if missing or unexpected or not files:
@@ -277,7 +277,26 @@ def load_into(model, directory: Path) -> None:
         model.tie_weights()
 
 
-def _tied_keys(model) -> set[str]:
+def read_full(model, directory: Path) -> dict:
+    """A version directory's tensors as a full state dict for ``model`` (a sharded one: FSDP),
+    checked like :func:`load_into`; tied copies the files leave out are left out here too."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    out: dict = {}
+    for f in files:
+        out.update(load_file(f))
+    names = model.state_dict().keys()
+    missing = [k for k in names if k not in out and k not in tied_keys(model)]
+    unexpected = sorted(out.keys() - names)
+    if missing or unexpected or not files:
+        raise WeightsError(
+            f"weights in {directory} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return out
+
+
+def tied_keys(model) -> set[str]:
     keys = getattr(model, "_tied_weights_keys", None) or ()
     if isinstance(keys, dict):  # transformers 5: {target: source}
         keys = keys.keys()

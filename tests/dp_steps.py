@@ -1,6 +1,6 @@
 """K learner steps on fixed batches, on one device or as one rank under torchrun.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/dp_steps.py OUT_DIR
+    python -m torch.distributed.run --nproc-per-node 2 tests/dp_steps.py OUT_DIR [fsdp]
 
 Rank 0 writes OUT_DIR/metrics.json (per-step metrics) and OUT_DIR/weights.safetensors;
 tests/test_distributed.py compares them with :func:`run` on one device.
@@ -43,13 +43,14 @@ def run(dp: DataParallel | None = None) -> tuple[list[dict], dict[str, torch.Ten
     torch.manual_seed(0)
     learner = Learner(demo.build_model(seed=0), CFG, dp=dp)
     metrics = [learner.train_step(b) for b in batches()]
-    state = {k: v.detach().clone().contiguous() for k, v in learner.model.state_dict().items()}
+    full = learner.full if learner.sharded else learner.model.state_dict()  # sharded: gathered on rank 0
+    state = {k: v.detach().clone().contiguous() for k, v in full.items()}
     return metrics, state
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    dp = DataParallel.init()
+    dp = DataParallel.init(sharded=sys.argv[2:] == ["fsdp"])
     metrics, state = run(dp)
     if dp is None or dp.rank == 0:
         out = Path(sys.argv[1])

@@ -50,6 +50,7 @@ def test_a_full_file_parses(tmp_path):
         ('[trainer]\nloss_agg = "median"\n', "key `trainer.loss_agg`: Invalid enum value 'median'"),
         ("[bus]\nblock_seconds = 30.0\n", "key `bus.socket_timeout`"),
         ("[metrics]\nport = 70000\n", "key `metrics.port`"),
+        ("[trainer]\nfsdp = true\n[model.lora]\nrank = 8\n", "key `trainer.fsdp`: LoRA adapters"),
         ("[trainer\n", "not valid TOML"),
     ],
 )

@@ -2,7 +2,8 @@
 
 Two ranks, each training its rows of every minibatch with the whole minibatch's
 denominators and gradients summed over ranks, give the single-device step: per-step loss,
-gradient norm and the weights after K steps agree to 1e-5.
+gradient norm and the weights after K steps agree to 1e-5, replicated (DDP's semantics) and
+sharded (FSDP2, ``trainer.fsdp``) alike.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from streamer import demo
 from streamer.connection import connect
 from streamer.keys import Keys
 from streamer.server import free_port
+from streamer.weights import tied_keys
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +43,9 @@ def torchrun(
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
-def test_two_ranks_equal_one_device_to_1e_5(tmp_path):
-    done = torchrun(str(HERE / "dp_steps.py"), str(tmp_path))
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+def test_two_ranks_equal_one_device_to_1e_5(tmp_path, mode):
+    done = torchrun(str(HERE / "dp_steps.py"), str(tmp_path), *(["fsdp"] if mode == "fsdp" else []))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranked = json.loads((tmp_path / "metrics.json").read_text())
     weights = load_file(tmp_path / "weights.safetensors")
@@ -53,8 +56,10 @@ def test_two_ranks_equal_one_device_to_1e_5(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (step, key, a[key], b[key])
     # weights to 1e-5 absolute (they moved ~1e-2: rounding of a different summation order,
     # amplified by Adam on near-zero gradients such as the key biases', stays below 2e-6)
-    initial = demo.build_model(seed=0).state_dict()
-    worst = max(float((weights[n] - v).abs().max()) for n, v in state.items())
+    model = demo.build_model(seed=0)
+    initial = model.state_dict()
+    assert set(state) - set(weights) <= tied_keys(model), "a weight is missing (FSDP leaves tied copies out)"
+    worst = max(float((weights[n] - v).abs().max()) for n, v in state.items() if n in weights)
     moved = max(float((v - initial[n]).abs().max()) for n, v in state.items())
     assert worst <= 1e-5 and moved > 1e-3, (worst, moved)
 
@@ -62,7 +67,7 @@ def test_two_ranks_equal_one_device_to_1e_5(tmp_path):
 # ---------------------------------------------------------------- the trainer process
 
 
-def _config(tmp_path: Path, run: str, steps: int) -> Path:
+def _config(tmp_path: Path, run: str, steps: int, *, fsdp: bool = False) -> Path:
     return write_config(
         tmp_path / f"{run}.toml",
         {
@@ -77,6 +82,7 @@ def _config(tmp_path: Path, run: str, steps: int) -> Path:
                 "ppo_minibatches": 2,
                 "micro_batch_size": 4,
                 "keep_checkpoints": 1,
+                "fsdp": fsdp,
             },
         },
     )
@@ -95,22 +101,26 @@ def test_torchrun_trainer_equals_one_process_and_a_killed_rank_loses_nothing(pri
     client = connect(private_valkey.url)
     steps = 6
     groups = [make_group(rng, rewards=(1.0, 0.0, rng.random(), 1.0)) for _ in range(3 * steps)]
-    runs = {"single": Keys("single"), "ddp": Keys("ddp"), "killed": Keys("killed")}
+    runs = {n: Keys(n) for n in ("single", "ddp", "fsdp", "killed")}
     for keys in runs.values():
         publish(client, keys.traj, groups)
 
-    for name, nproc in (("single", 1), ("ddp", 2)):
-        done = _train(_config(tmp_path, name, steps), private_valkey.url, nproc, tmp_path)
+    for name, nproc in (("single", 1), ("ddp", 2), ("fsdp", 2)):
+        config = _config(tmp_path, name, steps, fsdp=name == "fsdp")
+        done = _train(config, private_valkey.url, nproc, tmp_path)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     final = {
         n: load_file(tmp_path / "data" / n / "weights" / f"v{steps:08d}" / "model.safetensors")
-        for n in ("single", "ddp")
+        for n in ("single", "ddp", "fsdp")
     }
-    worst = max(float((final["ddp"][k] - v).abs().max()) for k, v in final["single"].items())
-    assert worst <= 1e-5, worst
+    for n in ("ddp", "fsdp"):
+        assert final[n].keys() == final["single"].keys(), n
+        worst = max(float((final[n][k] - v).abs().max()) for k, v in final["single"].items())
+        assert worst <= 1e-5, (n, worst)
 
-    # SIGKILL rank 1 mid-run: torchrun tears the group down; a restart resumes, exactly once
-    keys, config = runs["killed"], _config(tmp_path, "killed", steps)
+    # SIGKILL rank 1 of a sharded trainer mid-run: torchrun tears the group down; a restart
+    # (every rank taking its shards of the full checkpoint) resumes, exactly once
+    keys, config = runs["killed"], _config(tmp_path, "killed", steps, fsdp=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1"]
     cmd += [f"--master-port={free_port()}", "-m", "streamer", "train", "--config", str(config)]
     cmd += ["--redis-url", private_valkey.url]
