@@ -32,7 +32,8 @@ into objects before rendering, as templates that ``tojson`` them expect.
 Bad requests get a 4xx with a reason (OpenAI's error shape), never a crash: a body that
 is not JSON or does not match the schema (the reason names the field), an unknown key,
 ``n`` other than 1, ``stream``, messages the template cannot render, a prompt with no
-room left under ``trainer.max_seq_len``. A failed engine call is a 502.
+room left under ``trainer.max_seq_len``. A failed engine call is a 502 to the agent, and
+the rollout then raises it to the producer (an engine outage, not the row's failure).
 """
 
 from __future__ import annotations
@@ -94,7 +95,11 @@ def proxied(fn: Agent | None = None, *, max_trim_tokens: int = 0):
         @functools.wraps(fn)
         async def episode(row: dict, ctx: RolloutContext, index: int) -> Episode:
             with server().session(ctx, max_trim_tokens=max_trim_tokens) as s:
-                reward = await fn(row, s.endpoint)
+                try:
+                    reward = await fn(row, s.endpoint)
+                finally:  # the engine's failure, not the agent's: the producer's outage path
+                    if s.engine_error is not None:
+                        raise s.engine_error
                 return s.episode(reward)
 
         return episodes(episode)
@@ -205,6 +210,7 @@ class Session:
         self.chains: list[Trajectory] = []
         self.last: Trajectory | None = None
         self.calls = self.divergences = 0
+        self.engine_error: SamplerError | None = None  # a failed engine call (the agent saw a 502)
         self.lock = threading.Lock()  # an agent may send calls in parallel
 
     def fold(self, prompt: list[int], completion: Completion) -> str:
@@ -294,6 +300,7 @@ class ProxyServer:
         try:
             c = anyio.from_thread.run(session.sample, prompt, budget, token=session.token)
         except SamplerError as e:
+            session.engine_error = e
             raise BadRequest(502, f"the engine call failed: {e}") from None
         except RuntimeError as e:  # the episode's event loop is gone
             raise BadRequest(503, f"the episode is over: {e}") from None

@@ -230,3 +230,28 @@ def test_the_readme_rollout_examples_run_as_written():
         exec(compile(code, f"README.md ({name})", "exec"), namespace)
         (ep,) = anyio.run(namespace[name], ROW, _ctx(task, Scripted(task.renderer, "5")))
         assert ep.reward == 1.0 and ep.metrics["turns"] == 1, name
+
+
+def test_an_engine_failure_reaches_the_producer_as_an_outage_not_an_agent_error():
+    from streamer.errors import SamplerError
+
+    task = _task()
+
+    class Down(Scripted):
+        def sample(self, *args, **kwargs):
+            raise SamplerError("server gone")
+
+    seen = []
+
+    @proxied
+    async def agent(row, endpoint):
+        try:
+            await _chat(endpoint, row["messages"])
+        except openai.APIStatusError as e:  # the agent sees a 502 and gives up its own way
+            seen.append(e.status_code)
+            raise RuntimeError("agent gave up") from e
+        return 1.0
+
+    with pytest.raises(BaseExceptionGroup) as group:
+        anyio.run(agent, ROW, _ctx(task, Down(task.renderer)))
+    assert seen == [502] and isinstance(group.value.exceptions[0], SamplerError)
