@@ -26,7 +26,11 @@ SPECIALS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|
 CHARS = list("0123456789+=")
 
 
-STEPS = 600  # trainer steps of `streamer up` with no arguments
+# trainer steps of `streamer up` with no arguments. By ~500 the policy answers nearly every
+# training prompt right in all 16 samples, so nearly every group has zero reward variance
+# and is filtered out: the trainer then waits seconds, later minutes, for 8 groups it can
+# learn from (seen: 2.7 s a step at 500, 57 s at 597), with nothing left to learn.
+STEPS = 500
 
 
 def config():
@@ -49,15 +53,23 @@ def config():
     )
 
 
+def held_out(a: int, b: int) -> bool:
+    """The pairs only the eval split has: ``a > b`` with ``(a + 2b) % 3 == 1`` (10 of 55).
+    Every one's mirror ``b+a`` is trained, and every digit appears in training as a first
+    and as a second operand (a first split held out all of ``5+b``: no prompt starting
+    ``5+`` was ever trained, and held-out accuracy ended at 0.67-0.89)."""
+    return a > b and (a + 2 * b) % 3 == 1
+
+
 def rows(split: str = "train") -> list[dict]:
-    """Dataset rows: every (a, b) with a + b <= 9; eval is the same 55 prompts, greedy."""
+    """Dataset rows: (a, b) with a + b <= 9; "eval" is the 10 held-out pairs, "train" the rest."""
     if split not in ("train", "eval"):
         raise ValueError(f"unknown demo split {split!r}")
     return [
         {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
         for a in range(10)
         for b in range(10)
-        if a + b <= 9
+        if a + b <= 9 and held_out(a, b) == (split == "eval")
     ]
 
 

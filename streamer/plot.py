@@ -55,7 +55,7 @@ def draw(history: History, path: Path, *, title: str) -> Path:
     ax_v, ax_loss, ax_lag = fig.subplots(1, 3)
     reward, acc = history.reward_by_version.means(), history.eval_by_version.means()
     ax_v.plot(list(reward), list(reward.values()), ".-", ms=3, label="rollout reward (mean)")
-    ax_v.plot(list(acc), list(acc.values()), "o-", ms=4, label="eval accuracy")
+    ax_v.plot(list(acc), list(acc.values()), "o-", ms=4, label="eval accuracy (held-out)")
     ax_v.set(xlabel="policy version", title="reward and accuracy")
     ax_v.legend(loc="lower right")
     for ax, curve, name in (

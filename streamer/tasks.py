@@ -5,11 +5,13 @@ and stitch every engine call token-exactly with :class:`streamer.trajectory.Traj
 ``streamer up --task NAME`` runs one. The demo vocabulary has only digits, ``+``, ``=``
 and the chat specials, so the environment speaks in those.
 
-- ``retry``: ``a+b=`` as in the demo, but a wrong answer is not the end: the environment
+- ``retry``: the demo's rows, but a wrong answer is not the end: the environment
   answers ``+`` ("higher") or ``=`` ("lower") as a user turn and the model tries again,
   up to :data:`RETRY_ATTEMPTS` answers. Reward 1.0 / 0.6 / 0.3 for a right answer at
-  attempt 1 / 2 / 3; success is a right answer at any attempt. Held out: the pairs with
-  ``(3a + b) % 5 == 0`` are only in the eval split.
+  attempt 1 / 2 / 3; success is a right answer at any attempt. Held out: the demo's 10
+  eval pairs (:func:`streamer.demo.held_out`). An earlier split, ``(3a + b) % 5 == 0``,
+  held out both orders of some pairs (``0+5`` and ``5+0``) and ``0+0``; with it held-out
+  success stayed at 0.45-0.64.
 - ``tools``: ``kk=`` asks for the value of key ``kk`` in a lookup table that is drawn
   afresh for every episode (a hash of the key and the episode's seed): nothing in the
   prompt reveals it and memorising is useless (a first version with one fixed table was
@@ -64,16 +66,10 @@ def rows(name: str, split: str = "train") -> list[dict]:
     """Rows of task ``name``; ``split`` "eval" is the held-out part."""
     if split not in ("train", "eval"):
         raise ValueError(f"unknown split {split!r}")
-    held_out = split == "eval"
-    if name == "retry":
-        return [
-            {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
-            for a in range(10)
-            for b in range(10)
-            if a + b <= 9 and ((3 * a + b) % 5 == 0) == held_out
-        ]
+    if name == "retry":  # the demo's pairs and split
+        return demo.rows(split)
     if name == "tools":
-        keys = [f"{k:02d}" for k in range(100) if (k in EVAL_KEYS) == held_out]
+        keys = [f"{k:02d}" for k in range(100) if (k in EVAL_KEYS) == (split == "eval")]
         return [{"messages": [{"role": "user", "content": f"{k}="}], "key": k} for k in keys]
     raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}")
 

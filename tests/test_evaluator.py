@@ -27,7 +27,7 @@ def _cfg(keys, redis_url, tmp_path, **ev) -> RunConfig:
     return replace(
         RunConfig(),
         run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
-        eval={"max_rows": 12, "batch_size": 5, "max_new_tokens": 3, **ev},
+        eval={"max_rows": 8, "batch_size": 5, "max_new_tokens": 3, **ev},
     )
 
 
@@ -64,13 +64,13 @@ def test_initial_weights_are_evaluated_as_version_0(client, keys, redis_url, tmp
     assert ev.run() == 0
     (event,) = _events(client, keys)
     assert event.axis == "eval" and event.step == 0 and event.source == "eval"
-    assert set(event.values) == set(EVAL) and event.values["rows"] == 12
+    assert set(event.values) == set(EVAL) and event.values["rows"] == 8
     # the demo reward is 0/1: reward mean and accuracy agree; recompute by hand
     rows, prompts = ev.rows, ev.prompts
     got = [ev.sampler.sample(p, n=1, temperature=0, top_p=1.0, max_new_tokens=3)[0] for p in prompts]
-    expected = sum(demo.reward(r, ev.task.renderer.decode(c.token_ids)) for r, c in zip(rows, got)) / 12
+    expected = sum(demo.reward(r, ev.task.renderer.decode(c.token_ids)) for r, c in zip(rows, got)) / 8
     assert event.values["accuracy"] == pytest.approx(expected) == event.values["reward_mean"]
-    assert event.values["response_length_mean"] == pytest.approx(sum(len(c.token_ids) for c in got) / 12)
+    assert event.values["response_length_mean"] == pytest.approx(sum(len(c.token_ids) for c in got) / 8)
 
 
 def test_every_kth_version_and_skipping_ahead(client, keys, redis_url, tmp_path):
