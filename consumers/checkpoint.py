@@ -64,7 +64,7 @@ def save(
     root: Path,
     *,
     model,
-    optimizer: torch.optim.Optimizer,
+    optimizer_state: dict,
     step: int,
     version: int,
     parent: str | None,
@@ -77,7 +77,7 @@ def save(
     name = name_for(step, version)
     with atomic_dir(root, name, what=f"checkpoint {name}") as tmp:  # disk full: one clear DiskError
         model.save_pretrained(tmp / "model", safe_serialization=True)
-        tensors, layout = _flatten_optimizer(optimizer.state_dict())
+        tensors, layout = _flatten_optimizer(optimizer_state)
         save_file(tensors, tmp / "optimizer.safetensors")
         save_file(_rng_tensors(), tmp / "rng.safetensors")
         files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}

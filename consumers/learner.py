@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from consumers import distributed, losses, precision, schedule
+from consumers import checkpoint, distributed, losses, precision, schedule
 from consumers import loss as L
 from consumers.batch import Batch
 from consumers.distributed import DataParallel
@@ -94,8 +94,8 @@ class Learner:
     def publishable(self):
         """What a version and a checkpoint save: the model, only its LoRA adapter, or (sharded,
         rank 0) the full weights gathered after the last step."""
-        if self.sharded:
-            return FullWeights(self.model, self.full)
+        if self.sharded:  # already a fresh CPU copy: the version writer takes it as it is
+            return weights.WeightsCopy(self.model, state=self.full)
         return lora.AdapterView(self.model) if lora.is_peft(self.model) else self.model
 
     def gather(self) -> None:
@@ -104,16 +104,15 @@ class Learner:
             tied = weights.tied_keys(self.model)
             self.full = {k: v for k, v in distributed.full_state(self.model).items() if k not in tied}
 
-    def checkpoint_optimizer(self):
-        """What a checkpoint saves of the optimizer (sharded: a collective gather, every rank)."""
+    def optimizer_state(self) -> dict:
+        """The optimizer's state dict as one process has it (sharded: a collective gather,
+        every rank calls it; {} except on rank 0)."""
         if not self.sharded:
-            return self.optimizer
-        return _StateOf(distributed.full_optimizer_state(self.model, self.optimizer, self.params))
+            return self.optimizer.state_dict()
+        return distributed.full_optimizer_state(self.model, self.optimizer, self.params)
 
     def restore(self, path, meta) -> None:
         """Load a checkpoint's weights, optimizer and RNG state (every rank, when sharded)."""
-        from consumers import checkpoint
-
         if not self.sharded:
             checkpoint.restore(path, meta, model=self.model, optimizer=self.optimizer)
         else:
@@ -272,33 +271,6 @@ class Learner:
         self.phases["forward_backward_seconds"] += t1 - t0
         self.phases["optimizer_seconds"] += self._clock() - t1
         return out
-
-
-class FullWeights:
-    """Sharded: the full weights gathered on rank 0 (fresh CPU tensors, tied copies left
-    out), saved like the model (HF layout); their own snapshot for the version writer."""
-
-    def __init__(self, model, state: dict[str, torch.Tensor]):
-        self.model, self.state = model, state
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.state
-
-    def snapshot(self) -> FullWeights:
-        return self
-
-    def save_pretrained(self, path, state_dict=None, **kwargs) -> None:
-        self.model.save_pretrained(path, state_dict=state_dict or self.state, **kwargs)
-
-
-class _StateOf:
-    """An optimizer state dict that a checkpoint saves like an optimizer's."""
-
-    def __init__(self, sd: dict):
-        self.sd = sd
-
-    def state_dict(self) -> dict:
-        return self.sd
 
 
 PHASES = (

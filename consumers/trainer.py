@@ -289,7 +289,7 @@ class Trainer:
         meta = checkpoint.save(
             self.cfg.checkpoint_dir,
             model=self.learner.publishable,
-            optimizer=self.learner.checkpoint_optimizer(),
+            optimizer_state=self.learner.optimizer_state(),
             step=self.step,
             version=self.version,
             parent=self.parent,
@@ -339,7 +339,7 @@ def follow(cfg: RunConfig, dp: DataParallel) -> int:
                 learner.restore(Path(payload), checkpoint.read_meta(Path(payload)))
             learner.gather()
         elif kind == "checkpoint":
-            learner.checkpoint_optimizer()  # rank 0 writes what every rank gathers
+            learner.optimizer_state()  # rank 0 writes what every rank gathers
         elif kind == "batch":
             learner.train_step(payload)
 

@@ -20,14 +20,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from schemas import WeightSync, encode
 from streamer import weights
 from streamer.bus import FIELD
 from streamer.connection import retrying
 from streamer.errors import StreamerError
 from streamer.keys import Keys
+from streamer.weights import WeightsCopy  # here too: bench/weight_sync.py times it as versions.WeightsCopy
 
 log = logging.getLogger(__name__)
 
@@ -51,23 +50,6 @@ return 1
 POLICY_KEEP = 1000  # WeightSync entries kept on the policy stream (at least keep_versions)
 
 
-class WeightsCopy:
-    """A CPU copy of a model's weights that saves like the model (tied tensors stay tied)."""
-
-    def __init__(self, model):
-        self.model = model
-        copies: dict[int, torch.Tensor] = {}
-        self.state = {}
-        for name, t in model.state_dict().items():
-            key = t.data_ptr()
-            if key not in copies:
-                copies[key] = t.detach().to("cpu", copy=True)
-            self.state[name] = copies[key]
-
-    def save_pretrained(self, path, **kwargs) -> None:
-        self.model.save_pretrained(path, state_dict=self.state, **kwargs)
-
-
 class VersionPublisher:
     def __init__(self, client, keys: Keys, *, root: Path, keep_versions: int, protect: Callable[[], int]):
         self.client, self.keys, self.root = client, keys, Path(root)
@@ -89,7 +71,7 @@ class VersionPublisher:
         """Snapshot ``model`` now, publish it as ``version`` soon; returns seconds blocked."""
         self._raise_if_failed()
         start = time.monotonic()
-        snapshot = model.snapshot() if hasattr(model, "snapshot") else WeightsCopy(model)
+        snapshot = model if isinstance(model, weights.WeightsCopy) else WeightsCopy(model)
         self._queue.put((snapshot, version, step))
         return time.monotonic() - start
 

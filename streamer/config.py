@@ -186,9 +186,7 @@ class TrainerSection(_Section):
     checkpoint_every: PosInt = 10  # steps between checkpoints (and at exit)
     keep_versions: PosInt = 3  # weight versions kept on disk
     gradient_checkpointing: bool = False  # trade compute for memory
-    fsdp: bool = (
-        False  # under torchrun: shard weights, grads and AdamW state over the ranks (FSDP2), not replicate
-    )
+    fsdp: bool = False  # under torchrun: shard weights, grads and AdamW state over the ranks (FSDP2)
     min_group_size: PosInt = 2  # fewer samples (after dropping over-long ones) rejects the group
     micro_batch_size: NonNegInt = 0  # samples per forward/backward (grad accumulation); 0 = whole minibatch
     keep_checkpoints: PosInt = 2  # full checkpoints kept; older ones keep only their audit metadata

@@ -59,8 +59,34 @@ def _hash_into(h, path: Path):
     return h
 
 
+class WeightsCopy:
+    """A CPU copy of a model's weights that saves like the model (tied tensors stay tied).
+
+    ``state``: weights already copied (a sharded trainer's, gathered onto rank 0), kept as
+    they are."""
+
+    def __init__(self, model, state: dict | None = None):
+        self.model = model
+        if state is not None:
+            self.state = state
+            return
+        copies: dict = {}
+        self.state = {}
+        for name, t in model.state_dict().items():
+            key = t.data_ptr()
+            if key not in copies:
+                copies[key] = t.detach().to("cpu", copy=True)
+            self.state[name] = copies[key]
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def save_pretrained(self, path, **kwargs) -> None:
+        self.model.save_pretrained(path, state_dict=self.state, **kwargs)
+
+
 def write_version(model, root: Path, version: int) -> tuple[str, str]:
-    """Save ``model`` (a transformers PreTrainedModel, or a versions.WeightsCopy of one) as
+    """Save ``model`` (a transformers PreTrainedModel, or a :class:`WeightsCopy` of one) as
     version ``version``; (uri, sha256 of its safetensors).
 
     The bytes are hashed as they are written and the per-file digests go into
@@ -263,17 +289,12 @@ def load_into(model, directory: Path) -> None:
 
     params = model.state_dict()
     files = sorted(Path(directory).glob("*.safetensors"))
-    names = set().union(*(tensorfile.header(f)[0].keys() for f in files))
-    tied = tied_keys(model)
-    missing = [k for k in params if k not in names and k not in tied]
-    unexpected = sorted(names - params.keys())
-    if missing or unexpected or not files:
-        raise WeightsError(
-            f"weights in {directory} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+    _check_fits(
+        model, params.keys(), set().union(*(tensorfile.header(f)[0].keys() for f in files)), directory
+    )
     for f in files:  # each tensor copied once, from the mapped file into the parameter
         tensorfile.load_into(params, f)
-    if tied:
+    if tied_keys(model):
         model.tie_weights()
 
 
@@ -286,14 +307,19 @@ def read_full(model, directory: Path) -> dict:
     out: dict = {}
     for f in files:
         out.update(load_file(f))
-    names = model.state_dict().keys()
-    missing = [k for k in names if k not in out and k not in tied_keys(model)]
-    unexpected = sorted(out.keys() - names)
-    if missing or unexpected or not files:
+    _check_fits(model, model.state_dict().keys(), out.keys(), directory)
+    return out
+
+
+def _check_fits(model, params, names, directory: Path) -> None:
+    """WeightsError unless the files' tensor ``names`` are the model's ``params`` (tied copies
+    may be left out) and there was at least one file."""
+    missing = [k for k in params if k not in names and k not in tied_keys(model)]
+    unexpected = sorted(set(names) - set(params))
+    if missing or unexpected or not names:
         raise WeightsError(
             f"weights in {directory} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    return out
 
 
 def tied_keys(model) -> set[str]:

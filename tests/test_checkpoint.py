@@ -39,7 +39,7 @@ def _save(root, learner, *, step, version, parent=None, groups=("g",)):
     return checkpoint.save(
         root,
         model=learner.model,
-        optimizer=learner.optimizer,
+        optimizer_state=learner.optimizer.state_dict(),
         step=step,
         version=version,
         parent=parent,

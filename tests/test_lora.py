@@ -80,7 +80,7 @@ def test_checkpoint_holds_adapter_and_optimizer(tmp_path):
     meta = checkpoint.save(
         tmp_path,
         model=learner.publishable,
-        optimizer=learner.optimizer,
+        optimizer_state=learner.optimizer.state_dict(),
         step=1,
         version=1,
         parent=None,
