@@ -13,9 +13,11 @@ so the step loop only waits when the producers are behind. The step loop sees th
 
 Entry bookkeeping, which the exactly-once guarantee rests on:
 
-- an entry at or below the restored checkpoint's high-water id is already in the persisted
-  model: it is acknowledged, never trained again (pending ones when the feed starts, and
-  any delivered later);
+- an entry at or below the newest checkpoint's high-water id (the restored one, then each
+  one written) is already in the persisted model: it is acknowledged, never trained again
+  (pending ones when the feed starts, and any delivered later: an acknowledgement lost with
+  a server, a failed-over cluster master or an AOF that had not reached disk, makes an entry
+  pending again);
 - a rejected entry is acknowledged in the same script as the release of its admission slot
   (:meth:`Admission.reject`); a dead-lettered one gives its slot back right after its
   dead letter is written (the consumer's ``on_gone``; a crash in between is repaired by
@@ -113,7 +115,7 @@ class Feeder:
         self.admission, self.filter = admission, group_filter
         self.groups_per_step, self.collate, self.version = groups_per_step, collate, version
         self.pin_memory, self.block_seconds = pin_memory, block_seconds
-        self.restored_high_water = high_water  # the restored checkpoint's: entries up to it are in the model
+        self.checkpoint_high_water = high_water  # the newest checkpoint's: entries up to it are in it
         self.high_water = high_water  # the newest entry trained
         self.touch_every = bus.claim_idle_seconds / 4
         self.staleness = staleness  # group -> trainer steps from the current weights (lineage)
@@ -136,7 +138,9 @@ class Feeder:
     def start(self) -> Feeder:
         """Settle what a crash left (pending entries the checkpoint covers, admission slots of
         entries that are gone), then start reading."""
-        if self.restored_high_water != "0-0" and (n := self.consumer.ack_pending(self.restored_high_water)):
+        if self.checkpoint_high_water != "0-0" and (
+            n := self.consumer.ack_pending(self.checkpoint_high_water)
+        ):
             log.info("acknowledged %d pending entries the checkpoint already covers", n)
         in_flight = self.admission.reconcile(TRAINER_GROUP)  # slots of what is gone come back
         log.info("admission: %d groups in flight", in_flight)
@@ -205,6 +209,7 @@ class Feeder:
         """A checkpoint covering ``covered`` is on disk: acknowledge its entries, trim."""
         done = set(covered.entry_ids)
         self._trained = [t for t in self._trained if t[0] not in done]
+        self.checkpoint_high_water = max(self.checkpoint_high_water, covered.high_water, key=parse_id)
         if not done:
             return
         retrying(
@@ -322,7 +327,7 @@ class Feeder:
         )
         covered, rejected, accepted = [], [], []
         for d in deliveries:
-            if id_le(d.id, self.restored_high_water):
+            if id_le(d.id, self.checkpoint_high_water):
                 covered.append(d.id)
             elif not self._is_owned(d.id):
                 self._judge(d, rejected, accepted)

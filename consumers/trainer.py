@@ -96,6 +96,7 @@ class Trainer:
             root=cfg.weights_dir,
             keep_versions=self.trainer_cfg.keep_versions,
             protect=lambda: self.checkpointed_version,
+            bus=cfg.bus,
         )
 
     @property

@@ -23,7 +23,8 @@ from pathlib import Path
 from schemas import WeightSync, encode
 from streamer import weights
 from streamer.bus import FIELD
-from streamer.connection import retrying
+from streamer.config import BusSection
+from streamer.connection import replicated, retrying
 from streamer.errors import StreamerError
 from streamer.keys import Keys
 from streamer.weights import WeightsCopy  # here too: bench/weight_sync.py times it as versions.WeightsCopy
@@ -51,8 +52,18 @@ POLICY_KEEP = 1000  # WeightSync entries kept on the policy stream (at least kee
 
 
 class VersionPublisher:
-    def __init__(self, client, keys: Keys, *, root: Path, keep_versions: int, protect: Callable[[], int]):
+    def __init__(
+        self,
+        client,
+        keys: Keys,
+        *,
+        root: Path,
+        keep_versions: int,
+        protect: Callable[[], int],
+        bus: BusSection | None = None,
+    ):
         self.client, self.keys, self.root = client, keys, Path(root)
+        self.bus = bus or BusSection()
         self.keep_versions, self.protect = keep_versions, protect
         self.last_seconds = 0.0  # write + publish time of the newest published version
         self.give_up_after: float | None = None  # how long to wait out a server outage; None = forever
@@ -124,13 +135,22 @@ class VersionPublisher:
         payload = encode(sync)
         # bounded: the weights kept, and enough history for staleness after a restore
         keep = max(self.keep_versions, POLICY_KEEP)
-        added = retrying(
-            lambda: self._announce(
+
+        def announce() -> int:
+            added = self._announce(
                 keys=[self.keys.policy, self.keys.version], args=[FIELD, payload, version, keep]
-            ),
-            what=f"publishing version {version}",
-            give_up_after=self.give_up_after,
-        )
+            )
+            # with bus.min_replicas: on a replica before anyone acts on it (a master that died
+            # with it unreplicated would let a restarted trainer announce it again, other
+            # weights under the same number); if that master dies meanwhile, the retry
+            # announces again on the promoted replica (a copy already there is not repeated)
+            bus = self.bus
+            replicated(
+                self.client, self.keys.replicated, replicas=bus.min_replicas, timeout=bus.replica_timeout
+            )
+            return added
+
+        added = retrying(announce, what=f"publishing version {version}", give_up_after=self.give_up_after)
         if not added:  # our first try went through; its reply was lost
             log.info("version %d was already announced (a retry after a lost reply)", version)
         # never the version just announced (the newest), whatever the numbers on disk say

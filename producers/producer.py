@@ -43,7 +43,7 @@ from streamer.admission import EXHAUSTED, WAIT, Admission, LeaseLost, Leases
 from streamer.batching import MicroBatcher
 from streamer.bus import Publisher, unacked
 from streamer.config import RunConfig
-from streamer.connection import TRANSIENT, connect
+from streamer.connection import TRANSIENT, connect, replicated
 from streamer.errors import StreamerError
 from streamer.keys import Keys
 from streamer.rollout_types import Completion, Episode, RolloutContext, Task
@@ -330,6 +330,16 @@ class Producer:
         if await self._redis(self.leases.publish, ticket, encode(group)) is None:
             log.warning("lease on row %d (epoch %d) was lost; group discarded", group.row, group.epoch)
             return "lost"
+        # with bus.min_replicas, published means on a replica: if the master dies first, the
+        # error redoes the step (the row comes back when its lease expires, if the group is gone)
+        bus = self.cfg.bus
+        await self._redis(
+            replicated,
+            self.client,
+            self.keys.replicated,
+            replicas=bus.min_replicas,
+            timeout=bus.replica_timeout,
+        )
         self.published += 1
 
         def send() -> None:

@@ -21,7 +21,7 @@ import redis
 from schemas import DeadLetter, DecodeError, decode, encode
 from schemas.events import Event
 from streamer.config import BusSection
-from streamer.connection import TRANSIENT
+from streamer.connection import TRANSIENT, replicated
 from streamer.errors import BackpressureTimeout
 from streamer.keys import TRAINER_GROUP, Keys
 
@@ -186,7 +186,13 @@ class Consumer(Generic[T]):
 
     def read(self, count: int | None = None, block: float | None = None) -> list[Delivery[T]]:
         try:
-            return self._read(count or self.cfg.read_count, block)
+            out = self._read(count or self.cfg.read_count, block)
+            if out:  # with bus.min_replicas: act only on entries (and their delivery) a replica holds
+                cfg = self.cfg
+                replicated(
+                    self.client, self.keys.replicated, replicas=cfg.min_replicas, timeout=cfg.replica_timeout
+                )
+            return out
         except TRANSIENT:
             # the server may have delivered entries whose reply was lost (a timeout, a dropped
             # connection): they sit in our pending list unseen, so read that again first

@@ -76,6 +76,8 @@ class BusSection(_Section):
     claim_idle_seconds: PosFloat = 60.0  # pending entries idle this long are claimed by others
     max_deliveries: PosInt = 5  # entries delivered more often go to the dead-letter stream
     read_count: PosInt = 64  # entries per XREADGROUP
+    min_replicas: NonNegInt = 0  # replicas that must hold a write before it is acted on (WAIT)
+    replica_timeout: PosFloat = 5.0  # seconds per WAIT; each time it runs out: a warning, then on
 
     def __post_init__(self) -> None:
         if self.socket_timeout <= self.block_seconds:

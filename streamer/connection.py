@@ -20,7 +20,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MIN_SERVER = (6, 2)  # XAUTOCLAIM
-TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+# errors a retry can outlive: the server restarting, a cluster electing a new master for a slot
+TRANSIENT = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+)
 # a cluster seed node: redis-py's cluster client discovers the rest (every key of a run is
 # hash-tagged onto one slot, see streamer.keys)
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -123,6 +129,40 @@ def check_server(client: redis.Redis, url: str) -> tuple[int, ...]:
             redact(url, f"server at {url} is version {raw}; streamer needs >= 6.2 (XAUTOCLAIM)")
         )
     return version
+
+
+def replicated(client: redis.Redis, key: str, *, replicas: int, timeout: float) -> None:
+    """Return once every write made to ``key``'s server (on a cluster: the master of its
+    slot) before this call is held by ``replicas`` replicas. A no-op for ``replicas`` 0.
+
+    Redis replication is asynchronous: a master that dies can take acknowledged writes with
+    it when a replica is promoted. WAIT counts the replicas that hold the *calling
+    connection's* last write, so rather than sharing a connection with the caller's write,
+    an INCR of ``key`` and the WAIT go in one pipeline (one connection, pinned to the key's
+    node on a cluster): that master took the INCR after every write it had taken, so a WAIT
+    covering the INCR covers them. While the master answers but replicas lag, it waits on,
+    with a warning every ``timeout`` s (availability is traded for durability, as asked). If
+    the pinned node fails, whether the caller's write survived is unknown: the connection
+    error is the caller's, to redo its work, never re-routed to a promoted replica here.
+    """
+    if replicas <= 0:
+        return
+    node = client.get_node_from_key(key).redis_connection if isinstance(client, RedisCluster) else client
+    waited = 0.0
+    while True:
+        pipe = node.pipeline(transaction=False)
+        pipe.incr(key)
+        pipe.execute_command("WAIT", replicas, max(1, int(timeout * 1000)))
+        acked = int(pipe.execute()[-1])
+        if acked >= replicas:
+            return
+        waited += timeout
+        log.warning(
+            "%d of %d replica(s) (bus.min_replicas) hold the last writes after %.0fs; waiting on",
+            acked,
+            replicas,
+            waited,
+        )
 
 
 def retrying(fn: Callable[[], T], *, what: str, give_up_after: float | None = None) -> T:

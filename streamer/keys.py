@@ -124,6 +124,10 @@ class Keys:
         return self._k("rejected_since_step")  # HASH reason -> groups rejected since the last step
 
     @property
+    def replicated(self) -> str:
+        return self._k("replicated")  # INT: written (INCR) just before a WAIT, see connection.replicated
+
+    @property
     def run_marker(self) -> str:
         return self._k("run")  # HASH created_at trainer [data_lost_at resumed_from]; gone = data lost
 

@@ -179,26 +179,32 @@ def _tail(path: Path, lines: int = 5) -> str:
 
 
 class LocalCluster:
-    """A Valkey cluster of ``masters`` private servers on loopback, slots split evenly.
+    """A Valkey cluster on loopback: ``masters`` private servers with the slots split evenly,
+    each with ``replicas`` replicas of its own.
 
     For tests and benches of the cluster path (every key of a run shares one hash tag, so
     every script and MULTI of a run lands on one node). ``url`` is a ``redis+cluster://``
-    URL that :func:`streamer.connection.connect` turns into a cluster client.
+    URL that :func:`streamer.connection.connect` turns into a cluster client. With replicas,
+    a master that stops answering for ``node_timeout`` s is replaced by its replica (a
+    failover); :meth:`EmbeddedServer.start` on the old master brings it back as a replica.
     """
 
     SLOTS = 16384
 
-    def __init__(self, data_dir: str | Path, *, masters: int = 3):
+    def __init__(
+        self, data_dir: str | Path, *, masters: int = 3, replicas: int = 0, node_timeout: float = 15.0
+    ):
         self.data_dir = Path(data_dir).resolve()
+        self.masters = masters
         # the cluster bus port is given explicitly: its default (port + 10000) does not exist
         # for the ephemeral ports free_port() hands out above 55535
-        self.bus_ports = [free_port() for _ in range(masters)]
+        self.bus_ports = [free_port() for _ in range(masters * (1 + replicas))]
+        cluster_args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+        cluster_args += ("--cluster-node-timeout", str(int(node_timeout * 1000)))
+        # a replica may take over however long ago it last heard from its master
+        cluster_args += ("--cluster-replica-validity-factor", "0")
         self.nodes = [
-            EmbeddedServer(
-                self.data_dir / f"node{i}",
-                extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
-                + ("--cluster-port", str(bus)),
-            )
+            EmbeddedServer(self.data_dir / f"node{i}", extra_args=cluster_args + ("--cluster-port", str(bus)))
             for i, bus in enumerate(self.bus_ports)
         ]
 
@@ -209,24 +215,63 @@ class LocalCluster:
     def start(self, timeout: float = 30.0) -> LocalCluster:
         for node in self.nodes:
             node.start()
-        clients = [redis.Redis(host="127.0.0.1", port=n.port, socket_timeout=5.0) for n in self.nodes]
+        clients = [_client(n) for n in self.nodes]
         try:
-            share = self.SLOTS // len(self.nodes)
-            for i, c in enumerate(clients):
-                last = self.SLOTS - 1 if i == len(clients) - 1 else (i + 1) * share - 1
+            share = self.SLOTS // self.masters
+            for i, c in enumerate(clients[: self.masters]):
+                last = self.SLOTS - 1 if i == self.masters - 1 else (i + 1) * share - 1
                 c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share, last)
             for n, bus in zip(self.nodes[1:], self.bus_ports[1:]):
                 clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", n.port, bus)
-            deadline = time.monotonic() + timeout
-            while not all(_cluster_ok(c, len(self.nodes)) for c in clients):
-                if time.monotonic() > deadline:
-                    raise ServerError(f"local cluster did not reach state ok within {timeout:.0f}s")
-                time.sleep(0.05)
+            self._wait(
+                clients, timeout, lambda c: _cluster_info(c)["cluster_known_nodes"] == str(len(clients))
+            )
+            ids = [_as_str(c.execute_command("CLUSTER", "MYID")) for c in clients[: self.masters]]
+            for i, c in enumerate(clients[self.masters :]):
+                c.execute_command("CLUSTER", "REPLICATE", ids[i % self.masters])
+            self._wait(clients, timeout, lambda c: _cluster_info(c)["cluster_state"] == "ok")
+            self._wait(clients[self.masters :], timeout, _replica_in_sync)
         finally:
             for c in clients:
                 c.close()
-        log.info("local valkey cluster of %d masters at %s", len(self.nodes), self.url)
+        log.info("local valkey cluster of %d nodes at %s", len(self.nodes), self.url)
         return self
+
+    def master_of(self, key: str) -> EmbeddedServer:
+        """The node that now serves ``key``'s slot."""
+        with _client(self.nodes[0]) as c:
+            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
+        for node in self.nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            with _client(node) as c:
+                for start, end, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
+                    if start <= slot <= end:
+                        port = int(master[1])
+                        return next(n for n in self.nodes if n.port == port)
+        raise ServerError(f"no live node knows who serves {key!r}")
+
+    def replicas_of(self, master: EmbeddedServer) -> list[EmbeddedServer]:
+        """The live nodes that replicate ``master``."""
+        out = []
+        for node in self.nodes:
+            if node is not master and node.proc is not None and node.proc.poll() is None:
+                with _client(node) as c:
+                    info = c.info("replication")
+                if info.get("role") == "slave" and int(info.get("master_port", 0)) == master.port:
+                    out.append(node)
+        return out
+
+    def replica_in_sync(self, node: EmbeddedServer) -> bool:
+        with _client(node) as c:
+            return _replica_in_sync(c)
+
+    def _wait(self, clients: list[redis.Redis], timeout: float, ok) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(ok(c) for c in clients):
+            if time.monotonic() > deadline:
+                raise ServerError(f"local cluster did not settle within {timeout:.0f}s")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         for node in self.nodes:
@@ -239,8 +284,19 @@ class LocalCluster:
         self.stop()
 
 
-def _cluster_ok(client: redis.Redis, masters: int) -> bool:
-    info = client.execute_command("CLUSTER", "INFO")
-    text = info.decode() if isinstance(info, bytes) else str(info)
-    fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
-    return fields.get("cluster_state") == "ok" and int(fields.get("cluster_known_nodes", 0)) == masters
+def _client(node: EmbeddedServer) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5.0)
+
+
+def _as_str(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _cluster_info(client: redis.Redis) -> dict[str, str]:
+    text = _as_str(client.execute_command("CLUSTER", "INFO"))
+    return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+
+def _replica_in_sync(client: redis.Redis) -> bool:
+    info = client.info("replication")
+    return info.get("role") == "slave" and info.get("master_link_status") == "up"

@@ -1,17 +1,21 @@
-"""A run on a Valkey cluster: three masters started here, slots split evenly.
+"""A run on a Valkey cluster: three masters started here, slots split evenly, a replica each.
 
 Every key of a run carries the run's hash tag (``streamer:{run}:…``), so each Lua script and
 MULTI of a run lands on one node. The bus, lease, admission and status tests run again
 unchanged against a ``redis+cluster://`` URL (the fixtures below replace the single server),
-and `streamer up` trains the demo on the cluster.
+and `streamer up` trains the demo on the cluster. With ``bus.min_replicas``, a read entry is
+acted on only once a replica holds it. (A master's failover under a running trainer and
+producer is in tests/reliability/test_failover.py.)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from redis.cluster import RedisCluster
@@ -33,7 +37,11 @@ from test_producer import (  # noqa: F401
     test_groups_and_metrics_as_published,
 )
 from test_status import test_json_for_scripts  # noqa: F401
+from waits import wait_until
 
+from schemas import WeightSync
+from streamer.bus import Consumer, entry
+from streamer.config import BusSection
 from streamer.connection import connect
 from streamer.keys import Keys
 from streamer.server import LocalCluster
@@ -43,7 +51,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3) as c:
+    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=1) as c:
         yield c
 
 
@@ -61,6 +69,29 @@ def test_a_cluster_url_gives_a_cluster_client_and_a_run_lives_on_one_slot(cluste
     slots = {client.keyslot(Keys(f"r{i}").traj) for i in range(24)}
     nodes = {client.nodes_manager.get_node_from_slot(s).name for s in slots}
     assert len(nodes) > 1, nodes
+
+
+def test_with_min_replicas_a_read_waits_until_a_replica_holds_the_entry(cluster, keys: Keys, caplog):
+    client = connect(cluster.url)
+    cfg = BusSection(min_replicas=1, replica_timeout=0.2)
+    consumer = Consumer(client, keys, keys.policy, "g", "c", as_type=WeightSync, cfg=cfg)
+    (replica,) = cluster.replicas_of(cluster.master_of(keys.policy))
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(consumer.read(block=0.1)), daemon=True)
+    os.kill(replica.proc.pid, signal.SIGSTOP)  # the replica stops taking the master's writes
+    try:
+        client.xadd(keys.policy, entry(WeightSync(version=1, step=1, uri="file:///v1", sha256="0" * 64)))
+        reader.start()
+        wait_until(
+            lambda: any("bus.min_replicas" in r.getMessage() for r in caplog.records),
+            timeout=30,
+            what="the reader's warning that no replica holds the entry",
+        )
+        assert reader.is_alive() and not got, "an entry no replica holds was handed over"
+    finally:
+        os.kill(replica.proc.pid, signal.SIGCONT)
+    reader.join(30)
+    assert [d.event.version for d in got] == [1]
 
 
 def test_up_trains_the_demo_on_the_cluster(cluster, tmp_path):

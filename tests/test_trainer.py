@@ -97,6 +97,29 @@ def test_feed_acknowledges_what_the_checkpoint_covers(keys, client):
         feeder.stop()
 
 
+def test_entries_a_checkpoint_covers_are_not_trained_again_when_delivered_again(keys, client):
+    """A failed-over cluster master (or an AOF that had not reached disk) can come back with
+    the trainer's acknowledgements, and even its group's read position, missing: the entries
+    a checkpoint written since the feed started covers come again, and are only acknowledged."""
+    rng = random.Random(7)
+    client.xgroup_create(keys.traj, "audit", id="0", mkstream=True)  # keeps them from being trimmed
+    ids = publish(client, keys.traj, [make_group(rng) for _ in range(2)])
+    feeder = _feeder(client, keys)
+    try:
+        ready = feeder.next(timeout=10)
+        feeder.trained(ready)
+        feeder.checkpointed(feeder.covered())
+        client.xgroup_setid(keys.traj, TRAINER_GROUP, "0")  # as if the reads and acks were lost
+        newer = publish(client, keys.traj, [make_group(rng) for _ in range(2)])
+        assert feeder.next(timeout=10).entry_ids == newer
+        pending = {
+            r["message_id"].decode() for r in client.xpending_range(keys.traj, TRAINER_GROUP, "-", "+", 10)
+        }
+        assert pending == set(newer) and ready.entry_ids == ids
+    finally:
+        feeder.stop()
+
+
 def test_rejections_release_slots_and_are_counted(redis_url, keys, client, tmp_path):
     rng = random.Random(1)
     client.set(keys.version, 5)  # an earlier trainer got to version 5: this one publishes 6
