@@ -17,8 +17,8 @@ While the system runs, each process's CPU is read from ``/proc/PID/stat`` every 
 the last reading before it exits gives the breakdown by role (the total is exact, the
 parts miss at most the last 0.25 s of each process).
 
-    python bench/cpu_per_version.py               # 100 steps each side (~3-4 min here)
-    python bench/cpu_per_version.py --steps 300
+    python bench/cpu_per_version.py               # 100 steps each side (~1.5 min here)
+    python bench/cpu_per_version.py --steps 500   # the demo's length (~5 min)
     python bench/cpu_per_version.py --quick       # smoke run (10 steps)
 """
 
@@ -98,14 +98,34 @@ def system_side(steps: int, producers: int, workdir: Path) -> dict:
     roles: dict[str, float] = {}
     for role, seconds in seen.values():
         roles[role] = roles.get(role, 0.0) + seconds
-    return {"cpu": cpu, "wall": wall, "versions": steps, "roles": roles}
+    groups = _count(r"groups published +(\d+)", "".join(out))
+    return {"cpu": cpu, "wall": wall, "versions": steps, "roles": roles, "groups": groups}
+
+
+def _count(pattern: str, text: str) -> int:
+    m = re.search(pattern, text)
+    if m is None:
+        raise SystemExit(f"no {pattern!r} in the output:\n{text[-2000:]}")
+    return int(m.group(1))
 
 
 def bare_side(steps: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": "1"}
     before, start = _children_cpu(), time.monotonic()
-    subprocess.run([sys.executable, __file__, "--bare-child", str(steps)], env=env, check=True)
-    return {"cpu": _children_cpu() - before, "wall": time.monotonic() - start, "versions": steps}
+    out = subprocess.run(
+        [sys.executable, __file__, "--bare-child", str(steps)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    wall = time.monotonic() - start
+    return {
+        "cpu": _children_cpu() - before,
+        "wall": wall,
+        "versions": steps,
+        "groups": _count(r"groups sampled (\d+)", out),
+    }
 
 
 def bare_child(steps: int) -> int:
@@ -131,7 +151,7 @@ def bare_child(steps: int) -> int:
     keep = GroupFilter.from_config(tc)
     ev = load_task(cfg, dataset="demo", split="eval", tokenizer=task.renderer.tokenizer)
     ev_prompts = [ev.renderer.render(r) for r in ev.rows]
-    rng, seed = random.Random(cfg.run.seed), 0
+    rng, seed, sampled = random.Random(cfg.run.seed), 0, 0
     for version in range(steps + 1):
         if version % cfg.eval.eval_every == 0:
             for lo in range(0, len(ev_prompts), cfg.eval.batch_size):
@@ -180,9 +200,11 @@ def bare_child(steps: int) -> int:
                 policy_version=version,
                 created_at=0.0,
             )
+            sampled += 1
             if (verdict := keep(group, version=version)).accepted:
                 groups.append(verdict.group)
         learner.train_step(collate(groups, std_normalize=tc.std_normalize, std_floor=tc.std_floor))
+    print(f"groups sampled {sampled}")
     return 0
 
 
@@ -202,9 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         system = system_side(args.steps, args.producers, Path(tmp))
     rows = []
     for name, side in (("system (streamer up)", system), ("bare in-process loop", bare)):
-        per = side["cpu"] / side["versions"]
-        rows.append([name, side["versions"], side["cpu"], per, side["wall"]])
-    C.print_table(["side", "versions", "CPU s", "CPU s / version", "wall s"], rows)
+        per, groups = side["cpu"] / side["versions"], side["groups"] / side["versions"]
+        rows.append(
+            [name, side["versions"], side["cpu"], per, groups, side["cpu"] / side["groups"], side["wall"]]
+        )
+    heads = ["side", "versions", "CPU s", "CPU s / version", "groups / version", "CPU s / group", "wall s"]
+    C.print_table(heads, rows)
     total = sum(system["roles"].values()) or 1.0
     parts = sorted(system["roles"].items(), key=lambda kv: -kv[1])
     print("system CPU by process role (from /proc, every 0.25 s):")
