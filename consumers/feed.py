@@ -43,7 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 
@@ -68,7 +68,6 @@ class Ready:
     batch: Batch
     groups: list[TrajectoryGroup]
     entry_ids: list[str]
-    built_at: float = field(default_factory=time.monotonic)
     waited: float = 0.0  # seconds the step loop waited for it
 
 

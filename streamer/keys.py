@@ -15,7 +15,6 @@ _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 # consumer groups
 TRAINER_GROUP = "trainer"
 METRICS_GROUP = "metrics"  # the exporter's group on the metrics stream
-ROLLOUT_AUDIT_GROUP = "exporter"  # reserved for an auditor on traj
 ARCHIVE_GROUP = "archive"  # the rollout archiver on traj; trimming passes it past archive.max_lag
 
 

@@ -9,6 +9,7 @@ group's lag.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import time
@@ -20,8 +21,10 @@ from consumers.metrics_state import SeenIds
 from schemas import MetricsEvent
 from streamer.bus import Tail, unacked
 from streamer.config import RunConfig
-from streamer.connection import connect
+from streamer.connection import TRANSIENT, connect
 from streamer.keys import Keys
+
+log = logging.getLogger(__name__)
 
 THRESHOLD = 0.8  # the demo's goal for the moving reward and eval accuracy
 
@@ -42,6 +45,7 @@ class Progress:
         )
         self._rate: deque[tuple[float, int]] = deque(maxlen=30)
         self._last_print = 0.0
+        self._down = False  # the server did not answer the last tick
         self.started = time.monotonic() if started is None else started  # `up` began
         self.reached: dict[str, float] = {}  # "reward"/"eval" -> seconds to reach THRESHOLD
 
@@ -96,13 +100,22 @@ class Progress:
         )
 
     def tick(self) -> None:
-        self.update()
-        now = time.monotonic()
-        if self.live:
-            print("\r" + self.line().ljust(100), end="", flush=True)
-        elif now - self._last_print >= 10.0:
-            print(self.line(), flush=True)
-            self._last_print = now
+        """Print the line now and then; a server outage (a restart, a cluster failover) is
+        ridden out like the roles ride it out: one warning, then quiet until it answers."""
+        try:
+            self.update()
+            now = time.monotonic()
+            if self.live:
+                print("\r" + self.line().ljust(100), end="", flush=True)
+            elif now - self._last_print >= 10.0:
+                print(self.line(), flush=True)
+                self._last_print = now
+        except TRANSIENT as e:
+            if not self._down:
+                log.warning("progress: server unavailable (%s); waiting", e)
+            self._down = True
+            return
+        self._down = False
 
     def wait_for_eval(self, version: int, timeout: float, stop: threading.Event) -> bool:
         deadline = time.monotonic() + timeout

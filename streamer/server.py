@@ -11,6 +11,7 @@ import urllib.parse
 from pathlib import Path
 
 import redis
+from redis.crc import key_slot
 
 from streamer.errors import ServerError
 from streamer.lifecycle import child_preexec
@@ -239,8 +240,7 @@ class LocalCluster:
 
     def master_of(self, key: str) -> EmbeddedServer:
         """The node that now serves ``key``'s slot."""
-        with _client(self.nodes[0]) as c:
-            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
+        slot = key_slot(key.encode())
         for node in self.nodes:
             if node.proc is None or node.proc.poll() is not None:
                 continue

@@ -10,6 +10,8 @@ from consumers.history import MAX_POINTS, Curve
 from schemas import MetricsEvent
 from streamer.bus import Publisher
 from streamer.config import RunConfig, replace
+from streamer.connection import connect
+from streamer.keys import Keys
 from streamer.progress import Progress
 
 
@@ -99,3 +101,21 @@ def test_a_curve_stays_bounded_and_keeps_its_mean():
     assert len(curve.points) <= MAX_POINTS and curve.bucket == 16  # four doublings
     assert sum(n for _, n in curve.points.values()) == 10 * MAX_POINTS
     assert all(abs(m - 0.5) < 1e-9 for m in curve.means().values())
+
+
+def test_the_progress_view_rides_out_a_server_outage(private_valkey, caplog):
+    """`up` on an external server or cluster: its supervising loop ticks the progress view
+    through a restart or a failover (it once died with the ConnectionError)."""
+    cfg = _cfg(private_valkey.url, "outage")
+    Publisher(connect(private_valkey.url), Keys("outage"), cfg.bus).publish_many(
+        Keys("outage").metrics, _events(1, 3)
+    )
+    progress = Progress(cfg, target_steps=0, live=False)
+    private_valkey.kill()
+    with caplog.at_level(logging.WARNING, logger="streamer.progress"):
+        progress.tick()
+        progress.tick()
+    assert [r.getMessage()[:30] for r in caplog.records] == ["progress: server unavailable ("]
+    private_valkey.start()
+    progress.tick()
+    assert progress.train_step == 3 and not progress._down
