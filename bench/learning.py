@@ -56,7 +56,10 @@ def run_cell(*, loss: str, staleness: int, seed: int, args) -> dict:
             loss=loss, staleness=staleness, seed=seed, steps=args.max_steps, eval_every=args.eval_every
         )
         path.write_bytes(toml)
+        # stopped at the first eval at the target: what follows cannot change the figure, and
+        # late in a run zero-variance filtering starves the trainer (tens of seconds a step)
         argv = [sys.executable, "-m", "streamer", "up", "--config", str(path), "--fresh", "--no-progress"]
+        argv += ["--until-eval", str(TARGET)]
         argv += ["--data-dir", d, "--producers", str(args.producers)]
         began = time.monotonic()
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)

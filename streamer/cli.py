@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--producers", type=int, default=2, help="producer processes")
     up.add_argument("--fresh", action="store_true", help="discard the previous run's state")
     up.add_argument("--no-progress", action="store_true", help="no live progress view")
+    up.add_argument(
+        "--until-eval", type=float, metavar="ACC", help="stop once eval accuracy reaches ACC (early stop)"
+    )
 
     tr = role("train", "the trainer consumer")
     tr.add_argument("--steps", type=int, help="override trainer.steps")

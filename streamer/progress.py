@@ -80,6 +80,10 @@ class Progress:
                 self.reached.setdefault("eval", time.monotonic() - self.started)
         self._rate.append((time.monotonic(), h.groups))
 
+    def reached_eval(self, target: float | None) -> bool:
+        """Eval accuracy is at ``target`` or above (never, for None)."""
+        return target is not None and self.eval_acc is not None and self.eval_acc >= target
+
     def reward(self) -> float | None:
         return self.history.reward()
 

@@ -248,8 +248,8 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
             f"logs in {logs}",
             flush=True,
         )
-        code = _supervise(stack, progress, stop_requested)
-        if code == 0 and not stop_requested.is_set():
+        code = _supervise(stack, progress, stop_requested, until_eval=args.until_eval)
+        if code == 0 and not stop_requested.is_set() and not progress.reached_eval(args.until_eval):
             final = progress.version()  # the evaluator scores every eval_every-th version
             final -= final % cfg.eval.eval_every
             progress.wait_for_eval(final, FINAL_EVAL_WAIT, stop_requested)
@@ -275,7 +275,8 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
     return 130 if stop_requested.is_set() and code == 0 else code
 
 
-def _supervise(stack: Stack, progress: Progress, stop: threading.Event) -> int:
+def _supervise(stack: Stack, progress: Progress, stop: threading.Event, *, until_eval: float | None) -> int:
+    """Until the trainer is done (0), a role fails (1) or eval accuracy reaches ``until_eval``."""
     trainer = stack.children.get("train")  # None when a signal came before it started
     while not stop.is_set():
         if stack.failed() is not None:
@@ -283,5 +284,10 @@ def _supervise(stack: Stack, progress: Progress, stop: threading.Event) -> int:
         if trainer is not None and trainer.exited() == 0:
             return 0
         progress.tick()
+        if progress.reached_eval(until_eval):
+            print(
+                f"streamer up: eval accuracy {progress.eval_acc:.2f} >= {until_eval:g}: stopping", flush=True
+            )
+            return 0
         stop.wait(1.0)
     return 0
