@@ -146,7 +146,11 @@ class VersionPublisher:
             # announces again on the promoted replica (a copy already there is not repeated)
             bus = self.bus
             replicated(
-                self.client, self.keys.replicated, replicas=bus.min_replicas, timeout=bus.replica_timeout
+                self.client,
+                self.keys.replicated,
+                replicas=bus.min_replicas,
+                timeout=bus.replica_timeout,
+                give_up_after=self.give_up_after,  # set when the trainer is stopping
             )
             return added
 

@@ -131,7 +131,9 @@ def check_server(client: redis.Redis, url: str) -> tuple[int, ...]:
     return version
 
 
-def replicated(client: redis.Redis, key: str, *, replicas: int, timeout: float) -> None:
+def replicated(
+    client: redis.Redis, key: str, *, replicas: int, timeout: float, give_up_after: float | None = None
+) -> None:
     """Return once every write made to ``key``'s server (on a cluster: the master of its
     slot) before this call is held by ``replicas`` replicas. A no-op for ``replicas`` 0.
 
@@ -141,8 +143,9 @@ def replicated(client: redis.Redis, key: str, *, replicas: int, timeout: float) 
     an INCR of ``key`` and the WAIT go in one pipeline (one connection, pinned to the key's
     node on a cluster): that master took the INCR after every write it had taken, so a WAIT
     covering the INCR covers them. While the master answers but replicas lag, it waits on,
-    with a warning every ``timeout`` s (availability is traded for durability, as asked). If
-    the pinned node fails, whether the caller's write survived is unknown: the connection
+    with a warning every ``timeout`` s (availability is traded for durability, as asked),
+    until ``give_up_after`` s (None: for ever) and then :class:`ServerError`. If the pinned
+    node fails, whether the caller's write survived is unknown: the connection
     error is the caller's, to redo its work, never re-routed to a promoted replica here.
     """
     if replicas <= 0:
@@ -157,6 +160,10 @@ def replicated(client: redis.Redis, key: str, *, replicas: int, timeout: float) 
         if acked >= replicas:
             return
         waited += timeout
+        if give_up_after is not None and waited >= give_up_after:
+            raise ServerError(
+                f"{acked} of {replicas} replica(s) (bus.min_replicas) held the last writes after {waited:.0f}s"
+            )
         log.warning(
             "%d of %d replica(s) (bus.min_replicas) hold the last writes after %.0fs; waiting on",
             acked,

@@ -12,8 +12,8 @@ import redis
 from schemas import DeadLetter, MetricsEvent, Sample, TrajectoryGroup, WeightSync, decode, encode
 from streamer.bus import Consumer, Publisher, Tail, trim_acked, unacked
 from streamer.config import BusSection
-from streamer.connection import connect
-from streamer.errors import BackpressureTimeout
+from streamer.connection import connect, replicated
+from streamer.errors import BackpressureTimeout, ServerError
 from streamer.keys import TRAINER_GROUP
 
 FAST = BusSection(block_seconds=0.2, socket_timeout=5.0, claim_idle_seconds=0.2, read_count=16)
@@ -209,3 +209,15 @@ def test_consumer_survives_a_server_restart_with_aof(private_valkey, keys):
     assert client.xlen(keys.traj) == 4
     pub.publish(keys.traj, group(9))
     assert [d.event.group_id for d in read_all(restarted, 1)] == ["g9"]
+
+
+def test_min_replicas_without_a_replica_warns_then_gives_up_with_the_key_named(client, keys, caplog):
+    """`bus.min_replicas` on a server with no replica: nothing counts as held; the writer
+    waits with a warning per `replica_timeout`, and gives up (a stopping trainer) clearly."""
+    if client.info("replication").get("connected_slaves", 0):
+        pytest.skip("this server has replicas")
+    replicated(client, keys.replicated, replicas=0, timeout=0.1)  # 0: no WAIT at all
+    with pytest.raises(ServerError, match=r"0 of 1 replica\(s\) \(bus.min_replicas\)"):
+        replicated(client, keys.replicated, replicas=1, timeout=0.1, give_up_after=0.3)
+    warnings = [r for r in caplog.records if "bus.min_replicas" in r.getMessage()]
+    assert len(warnings) == 2  # after 0.1 s and 0.2 s; at 0.3 s it gave up
