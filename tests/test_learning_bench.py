@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -27,3 +28,19 @@ def test_samples_to_target():
     assert learning.samples_to_target(curve, 16) == {"reached": True, "version": 2, "samples": 22 * 16}
     curve["eval_accuracy_by_version"] = {"0": 0.1, "3": 0.5}
     assert learning.samples_to_target(curve, 2) == {"reached": False, "version": None, "samples": 35 * 2}
+
+
+def _runs(*counts):
+    """Runs from counts; a negative count is a run that did not reach the target."""
+    return [{"reached": c > 0, "samples": abs(c)} for c in counts]
+
+
+def test_the_median_of_runs_some_of_which_never_reached_the_target():
+    assert learning.median_bounds(_runs(30, 10, 20)) == (20, 20)
+    assert learning.median_bounds(_runs(10, 20, -90)) == (20, 20)  # the unreached one is above
+    assert learning.median_bounds(_runs(10, 80, -50)) == (50, 80)  # it may lie below 80
+    assert learning.median_bounds(_runs(10, -50, -90)) == (50, math.inf)
+    assert learning.ratio_verdict((100, 100), (105, 105)) == ("1.05x", "met")
+    assert learning.ratio_verdict((100, 100), (50, 80)) == ("0.50–0.80x", "met")
+    assert learning.ratio_verdict((100, 100), (200, math.inf)) == ("> 2.00x", "NOT met")
+    assert learning.ratio_verdict((60, math.inf), (70, 90)) == ("0.00–1.50x", "undecided")
