@@ -7,12 +7,14 @@
 Each cell is `streamer up --fresh` of the built-in demo (its trainer, producers, evaluator
 and exporter as separate processes) with ``trainer.loss`` and ``trainer.max_staleness`` set,
 in a temporary data directory, stopped (`--until-eval`) at the first evaluation at 0.8.
-The evaluator scores the demo's held-out pairs, never trained on. The figure is **samples to 0.8**: completions the producers
-sampled with policy versions older than the first version whose greedy eval accuracy is
->= 0.8 (``groups_by_version`` x ``group_size`` of the curve `up` records), the median over
-seeds. A run that never gets there within ``--max-steps`` counts as not reached (shown as
-``>`` the samples it drew). The goal: max_staleness 2 (asynchronous) needs no more than
-1.1x the samples of max_staleness 0 (synchronous), per loss. Prints Markdown.
+The evaluator scores the demo's held-out pairs, never trained on. The figure is **samples
+to 0.8**: completions the producers sampled with policy versions older than the first
+version whose greedy eval accuracy is >= 0.8 (``groups_by_version`` x ``group_size`` of
+the curve `up` records), the median over seeds. A run that never gets there within
+``--max-steps`` counts as at least the samples it drew (shown as ``>``), so a median can be
+exact, a range or a lower bound (:func:`median_bounds`). The goal: max_staleness 2
+(asynchronous) needs no more than 1.1x the samples of max_staleness 0 (synchronous), per
+loss; each loss is met, NOT met or undecided by the runs. Prints Markdown.
 """
 
 from __future__ import annotations
