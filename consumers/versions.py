@@ -144,14 +144,8 @@ class VersionPublisher:
             # with it unreplicated would let a restarted trainer announce it again, other
             # weights under the same number); if that master dies meanwhile, the retry
             # announces again on the promoted replica (a copy already there is not repeated)
-            bus = self.bus
-            replicated(
-                self.client,
-                self.keys.replicated,
-                replicas=bus.min_replicas,
-                timeout=bus.replica_timeout,
-                give_up_after=self.give_up_after,  # set when the trainer is stopping
-            )
+            # give_up_after: set when the trainer is stopping
+            replicated(self.client, self.keys.replicated, self.bus, give_up_after=self.give_up_after)
             return added
 
         added = retrying(announce, what=f"publishing version {version}", give_up_after=self.give_up_after)

@@ -332,14 +332,7 @@ class Producer:
             return "lost"
         # with bus.min_replicas, published means on a replica: if the master dies first, the
         # error redoes the step (the row comes back when its lease expires, if the group is gone)
-        bus = self.cfg.bus
-        await self._redis(
-            replicated,
-            self.client,
-            self.keys.replicated,
-            replicas=bus.min_replicas,
-            timeout=bus.replica_timeout,
-        )
+        await self._redis(replicated, self.client, self.keys.replicated, self.cfg.bus)
         self.published += 1
 
         def send() -> None:

@@ -188,10 +188,7 @@ class Consumer(Generic[T]):
         try:
             out = self._read(count or self.cfg.read_count, block)
             if out:  # with bus.min_replicas: act only on entries (and their delivery) a replica holds
-                cfg = self.cfg
-                replicated(
-                    self.client, self.keys.replicated, replicas=cfg.min_replicas, timeout=cfg.replica_timeout
-                )
+                replicated(self.client, self.keys.replicated, self.cfg)
             return out
         except TRANSIENT:
             # the server may have delivered entries whose reply was lost (a timeout, a dropped

@@ -14,6 +14,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from streamer.config import BusSection
 from streamer.errors import ConfigError, ServerError
 
 log = logging.getLogger(__name__)
@@ -131,11 +132,9 @@ def check_server(client: redis.Redis, url: str) -> tuple[int, ...]:
     return version
 
 
-def replicated(
-    client: redis.Redis, key: str, *, replicas: int, timeout: float, give_up_after: float | None = None
-) -> None:
+def replicated(client: redis.Redis, key: str, bus: BusSection, *, give_up_after: float | None = None) -> None:
     """Return once every write made to ``key``'s server (on a cluster: the master of its
-    slot) before this call is held by ``replicas`` replicas. A no-op for ``replicas`` 0.
+    slot) before this call is held by ``bus.min_replicas`` replicas; a no-op for 0.
 
     Redis replication is asynchronous: a master that dies can take acknowledged writes with
     it when a replica is promoted. WAIT counts the replicas that hold the *calling
@@ -143,11 +142,12 @@ def replicated(
     an INCR of ``key`` and the WAIT go in one pipeline (one connection, pinned to the key's
     node on a cluster): that master took the INCR after every write it had taken, so a WAIT
     covering the INCR covers them. While the master answers but replicas lag, it waits on,
-    with a warning every ``timeout`` s (availability is traded for durability, as asked),
+    with a warning every ``bus.replica_timeout`` s (availability is traded for durability, as asked),
     until ``give_up_after`` s (None: for ever) and then :class:`ServerError`. If the pinned
     node fails, whether the caller's write survived is unknown: the connection
     error is the caller's, to redo its work, never re-routed to a promoted replica here.
     """
+    replicas, timeout = bus.min_replicas, bus.replica_timeout
     if replicas <= 0:
         return
     node = client.get_node_from_key(key).redis_connection if isinstance(client, RedisCluster) else client

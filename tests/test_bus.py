@@ -216,8 +216,10 @@ def test_min_replicas_without_a_replica_warns_then_gives_up_with_the_key_named(c
     waits with a warning per `replica_timeout`, and gives up (a stopping trainer) clearly."""
     if client.info("replication").get("connected_slaves", 0):
         pytest.skip("this server has replicas")
-    replicated(client, keys.replicated, replicas=0, timeout=0.1)  # 0: no WAIT at all
+    replicated(client, keys.replicated, BusSection(min_replicas=0, replica_timeout=0.1))  # no WAIT
     with pytest.raises(ServerError, match=r"0 of 1 replica\(s\) \(bus.min_replicas\)"):
-        replicated(client, keys.replicated, replicas=1, timeout=0.1, give_up_after=0.3)
+        replicated(
+            client, keys.replicated, BusSection(min_replicas=1, replica_timeout=0.1), give_up_after=0.3
+        )
     warnings = [r for r in caplog.records if "bus.min_replicas" in r.getMessage()]
     assert len(warnings) == 2  # after 0.1 s and 0.2 s; at 0.3 s it gave up
