@@ -144,18 +144,22 @@ def make_groups(n: int, *, tokens: int, group_size: int = 8, seed: int = 0) -> l
             )
             for _ in range(group_size)
         ]
-        out.append(
-            TrajectoryGroup(
-                group_id=f"g{g}",
-                row=g,
-                epoch=0,
-                producer_id="bench",
-                samples=samples,
-                policy_version=3,
-                created_at=time.time(),
-            )
-        )
+        out.append(group(g, samples))
     return out
+
+
+def group(i: int, samples: list[Sample]) -> TrajectoryGroup:
+    """A bench's group ``i`` (row ``i``, epoch 0) of ``samples``, tagged with their oldest version."""
+    version = min(s.version for s in samples)
+    return TrajectoryGroup(
+        group_id=f"g{i}",
+        row=i,
+        epoch=0,
+        producer_id="bench",
+        samples=samples,
+        policy_version=version,
+        created_at=time.time(),
+    )
 
 
 def as_plain_dict(group: TrajectoryGroup) -> dict:

@@ -28,6 +28,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import common as C  # noqa: E402
 
 from consumers.batch import Batch, collate  # noqa: E402
 from consumers.learner import Learner  # noqa: E402
@@ -68,17 +71,7 @@ def groups(model, n: int = 4, seed: int = 0) -> list[TrajectoryGroup]:
             )
             for j, c in enumerate(done)
         ]
-        out.append(
-            TrajectoryGroup(
-                group_id=f"g{i}",
-                row=i,
-                epoch=0,
-                producer_id="gpu",
-                samples=samples,
-                policy_version=0,
-                created_at=0.0,
-            )
-        )
+        out.append(C.group(i, samples))
     return out
 
 

@@ -32,7 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import common as C  # noqa: E402
 import torch  # noqa: E402
 
 from consumers import loss as L  # noqa: E402
@@ -76,17 +78,7 @@ def make_groups(n: int, *, group_size: int, completion: int, seed: int) -> list[
         samples = [_sample(rng, prompt, completion) for _ in range(group_size)]
         if len({s.reward for s in samples}) == 1:  # keep every group (no zero-variance rejects)
             samples[0] = _sample(rng, prompt, completion, reward=1.0 - samples[0].reward)
-        groups.append(
-            TrajectoryGroup(
-                group_id=f"g{i}",
-                row=i,
-                epoch=0,
-                producer_id="bench",
-                samples=samples,
-                policy_version=0,
-                created_at=0.0,
-            )
-        )
+        groups.append(C.group(i, samples))
     return groups
 
 
