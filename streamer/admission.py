@@ -58,7 +58,8 @@ tag, so each script runs on one node of a cluster):
     _RECONCILE  .      .      .     .       R           W (SET)  W          .        R
 
 (``attempts`` is ``row_attempts`` and ``row_errors``; ``_CLAIM`` also writes ``skipped_rows``;
-``_ADMIT`` reads ``limits``; ``_RELEASE`` counts rejections in ``rejected_since_step``.) The
+``_ADMIT`` reads ``limits``; ``_PUBLISH`` increments ``rollout_step`` and reads ``version``;
+``_RELEASE`` counts rejections in ``rejected_since_step``.) The
 one Python twin of the admission rule is :func:`admission_limit`, which `streamer status` uses.
 """
 
@@ -67,6 +68,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import redis
 
@@ -136,8 +138,11 @@ return 1
 """
 )
 
-# KEYS: traj leases owner slots held attempts errors ; ARGV: ticket owner field payload
-# The ticket's admission slot moves to the published entry, which the trainer releases.
+# KEYS: traj leases owner slots held attempts errors rollout_step version
+# ARGV: ticket owner field payload
+# The ticket's admission slot moves to the published entry, which the trainer releases; the
+# group gets the next rollout step, and the reply carries the current policy version (the
+# producer's metrics event needs both: one round trip instead of three).
 _PUBLISH = """
 if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return false end
 local id = redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
@@ -146,7 +151,7 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('HDEL', KEYS[7], ARGV[1])
 if redis.call('SREM', KEYS[4], ARGV[1]) == 1 then redis.call('SADD', KEYS[5], id) end
-return id
+return {id, redis.call('INCR', KEYS[8]), redis.call('GET', KEYS[9]) or false}
 """
 
 # KEYS: leases owner slots admitted requeue attempts errors ; ARGV: ticket owner requeue(0/1) error
@@ -324,6 +329,12 @@ def admission_limit(max_staleness: int, groups_per_step: int) -> int:
     return (max_staleness + 1) * groups_per_step
 
 
+class Published(NamedTuple):
+    entry_id: str  # the group's trajectory entry
+    rollout_step: int  # its step on the rollout axis (one per published group, run-wide)
+    version: bytes | None  # the policy version key as the server held it (unparsed)
+
+
 class Leases:
     """Claims, renews and ends row leases of one producer (``owner``)."""
 
@@ -368,17 +379,23 @@ class Leases:
             self._renew(keys=[k.leases, k.lease_owner], args=[ticket, self.owner, self.lease_seconds])
         )
 
-    def publish(self, ticket: int, payload: bytes) -> str | None:
+    def publish(self, ticket: int, payload: bytes) -> Published | None:
         """XADD ``payload`` to the trajectory stream and end the lease, atomically.
 
-        Returns the entry id, or None (nothing published) when the lease was lost.
+        Returns what was published, or None (nothing was) when the lease was lost.
         """
         k = self.keys
-        entry = self._publish(
-            keys=[k.traj, k.leases, k.lease_owner, k.lease_slots, k.held_slots, k.row_attempts, k.row_errors],
+        reply = self._publish(
+            keys=[
+                *(k.traj, k.leases, k.lease_owner, k.lease_slots, k.held_slots),
+                *(k.row_attempts, k.row_errors, k.rollout_step, k.version),
+            ],
             args=[ticket, self.owner, FIELD, payload],
         )
-        return None if entry is None else as_str(entry)
+        if reply is None:
+            return None
+        entry, step, version = reply
+        return Published(as_str(entry), int(step), version)
 
     def finish(self, ticket: int) -> bool:
         """End the lease without publishing (the row is done for this epoch); frees its slot."""

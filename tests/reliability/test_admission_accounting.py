@@ -35,7 +35,7 @@ def _junk_holding_slots(client, keys: Keys, n: int, *, staleness: int, per_step:
     for _ in range(n):
         ticket = leases.claim()
         assert admission.try_admit(ticket, "junk")
-        ids.append(leases.publish(ticket, b"\xc1 not msgpack"))
+        ids.append(leases.publish(ticket, b"\xc1 not msgpack").entry_id)
     assert not admission.try_admit(leases.claim(), "junk"), "the window should be full"
     return ids
 
