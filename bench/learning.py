@@ -123,17 +123,18 @@ def report(results: dict, args) -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     verdicts = {}
     for loss in args.losses:
-        sync, asyn = results[(loss, 0)], results[(loss, 2)]
-        text, verdict = ratio_verdict(median_bounds(sync), median_bounds(asyn))
-        verdicts[loss] = f"{text.replace(' ', '')} ({verdict})"
+        sync, asyn = results.get((loss, 0), []), results.get((loss, 2), [])
+        text = "—"
+        if sync and asyn:
+            text, verdict = ratio_verdict(median_bounds(sync), median_bounds(asyn))
+            verdicts[loss] = f"{text.replace(' ', '')} ({verdict})"
         seeds = "; ".join(
-            ", ".join(
-                f"{r['samples']:,}" if r["reached"] else f">{r['samples']:,}" for r in results[(loss, s)]
-            )
-            for s in (0, 2)
+            ", ".join(f"{r['samples']:,}" if r["reached"] else f">{r['samples']:,}" for r in runs)
+            for runs in (sync, asyn)
         )
-        minutes = sum(r["seconds"] for s in (0, 2) for r in results[(loss, s)]) / 60
-        print(f"| `{loss}` | {cell_text(sync)} | {cell_text(asyn)} | {text} | {seeds} | {minutes:.1f} |")
+        cells = [cell_text(runs) if runs else "—" for runs in (sync, asyn)]
+        minutes = sum(r["seconds"] for runs in (sync, asyn) for r in runs) / 60
+        print(f"| `{loss}` | {cells[0]} | {cells[1]} | {text} | {seeds} | {minutes:.1f} |")
     print()
     goals = "  ".join(f"{k}={v}" for k, v in verdicts.items())
     print(f"ratios: {goals}  goal: async <= {GOAL}x sync")
@@ -143,6 +144,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--losses", nargs="+", choices=sorted(LOSS_KEYS), default=list(LOSS_KEYS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument(
+        "--staleness", nargs="+", type=int, choices=(0, 2), default=[0, 2], help="one side only: no ratio"
+    )
     ap.add_argument("--max-steps", type=int, default=demo.STEPS, help="trainer steps per run at most")
     ap.add_argument("--eval-every", type=int, default=5, help="evaluate every k-th version")
     ap.add_argument("--producers", type=int, default=2, help="producer processes per run")
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results = {}
     for loss in args.losses:
-        for staleness in (0, 2):
+        for staleness in args.staleness:
             for seed in args.seeds:
                 r = run_cell(loss=loss, staleness=staleness, seed=seed, args=args)
                 results.setdefault((loss, staleness), []).append(r)
