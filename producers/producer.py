@@ -5,10 +5,7 @@ policy version -> run the rollout function (``producer.rollout``; the default re
 samples G completions and rewards each) -> check every episode -> publish one
 TrajectoryGroup (the XADD and the end of the lease in one script) -> publish a rollout
 MetricsEvent. ``producer.concurrency`` rows are in flight at once (anyio tasks), each
-with its own lease and admission slot. Engine calls and weight loads run in worker
-threads; Redis commands run inline on the event loop (a loopback round trip costs less
-than the hop to a thread and back), except the ones that wait: for an admission slot,
-for room in the stream (backpressure), for replicas. A group
+with its own lease and admission slot; blocking calls run in worker threads. A group
 with fewer than ``min_group_size`` good episodes is dropped: its slot is released and
 nothing is published. A rollout that raises or outlives ``rollout_timeout`` hands its row
 back; after ``producer.max_row_attempts`` failed attempts (counted on the server, by any
@@ -100,6 +97,7 @@ class Producer:
         self.pending = Pending()
         self.held: set[int] = set()  # tickets being worked on (renewed by the heartbeat)
         self.published = 0
+        self._counting = threading.Lock()  # publishes finish in worker threads
         self.in_flight = 0  # rows between claim and publish/drop/hand-back
         self._failures = 0
         self._gate: WeightGate | None = None
@@ -145,7 +143,7 @@ class Producer:
     def _setup(self) -> None:
         """Per event loop: the weight gate and the thread limiters."""
         self._gate = WeightGate(exclusive=getattr(self.sampler, "max_parallel", 1) == 1)
-        self._wait_limiter = anyio.CapacityLimiter(self.producer_cfg.concurrency + 2)
+        self._redis_limiter = anyio.CapacityLimiter(self.producer_cfg.concurrency + 2)
         self._sample_limiter = anyio.CapacityLimiter(getattr(self.sampler, "max_parallel", 1))
         local = getattr(self.sampler, "max_parallel", 1) == 1 and hasattr(self.sampler, "sample_many")
         self._batcher = MicroBatcher(self._sample_batch) if local else None
@@ -181,7 +179,7 @@ class Producer:
         "failed" (the rollout raised or timed out; the row was handed back)."""
         self.in_flight += 1
         try:
-            ticket = self.leases.claim()
+            ticket = await self._redis(self.leases.claim)
             if ticket == EXHAUSTED:
                 return "exhausted"
             if ticket == WAIT:  # open leases elsewhere may still expire and come back
@@ -210,11 +208,9 @@ class Producer:
         pos = self.order.position(ticket)
         row = self.task.rows[pos.row]
         try:  # the slot is the lease's (atomically: a retried admission takes no second one)
-            admission_wait = 0.0
-            if not self.admission.try_admit(ticket, self.id):  # no slot free now: wait for one
-                admission_wait = await self._waiting(
-                    self.admission.wait, self.stop.is_set, ticket=ticket, owner=self.id
-                )
+            admission_wait = await self._redis(
+                self.admission.wait, self.stop.is_set, ticket=ticket, owner=self.id
+            )
         except LeaseLost:
             log.warning("lease on ticket %d expired while waiting for admission", ticket)
             return "lost"
@@ -328,32 +324,36 @@ class Producer:
         return [[dataclasses.replace(c, version=version) for c in cs] for cs in out]
 
     async def _publish(self, ticket: int, group: TrajectoryGroup, *, failures, timings, extra) -> str:
-        waited, limit = 0.0, self.cfg.bus.max_unacked
-        if unacked(self.client, self.keys.traj) >= limit:
-            waited = await self._waiting(self.publisher.wait_for_room, self.stop.is_set)
-            if self.stop.is_set() and unacked(self.client, self.keys.traj) >= limit:
+        """Room in the stream, the publish script, replicas, the metrics event: one worker
+        thread for them all (a thread hop costs more CPU than the round trips it carries)."""
+
+        def publish() -> str:
+            waited = self.publisher.wait_for_room(self.stop.is_set)
+            if self.stop.is_set() and unacked(self.client, self.keys.traj) >= self.cfg.bus.max_unacked:
                 self._hand_back(ticket)  # stopping and no room: someone else publishes it later
                 return "stopped"
-        published = self.leases.publish(ticket, encode(group))
-        if published is None:
-            log.warning("lease on row %d (epoch %d) was lost; group discarded", group.row, group.epoch)
-            return "lost"
-        if self.cfg.bus.min_replicas:
-            # published means on a replica: if the master dies first, the error redoes the
-            # step (the row comes back when its lease expires, if the group is gone)
-            await self._waiting(replicated, self.client, self.keys.replicated, self.cfg.bus)
-        self.published += 1
-        t = Timings(timings.sample_seconds, timings.admission_wait_seconds, waited)
-        current = parse_int(published.version, self.keys.version, default=0)
-        values = group_values(group, failures=failures, current_version=current, timings=t)
-        self._send_metrics(published.rollout_step, {**values, **extra})
-        return "published"
+            published = self.leases.publish(ticket, encode(group))  # also the group's rollout step
+            if published is None:
+                log.warning("lease on row %d (epoch %d) was lost; group discarded", group.row, group.epoch)
+                return "lost"
+            # with bus.min_replicas, published means on a replica: if the master dies first, the
+            # error redoes the step (the row comes back when its lease expires, if the group is gone)
+            replicated(self.client, self.keys.replicated, self.cfg.bus)
+            with self._counting:
+                self.published += 1
+            t = Timings(timings.sample_seconds, timings.admission_wait_seconds, waited)
+            current = parse_int(published.version, self.keys.version, default=0)
+            values = group_values(group, failures=failures, current_version=current, timings=t)
+            self._send_metrics(published.rollout_step, {**values, **extra})
+            return "published"
+
+        return await self._redis(publish)
 
     async def _drop(self, ticket: int, *, failures: int) -> str:
-        self.leases.finish(ticket)  # the row is done for this epoch; its slot goes back
+        await self._redis(self.leases.finish, ticket)  # the row is done for this epoch; its slot goes back
         self.pending.add("groups_dropped")
         self.pending.add("sample_failures", failures)
-        self._flush_metrics()
+        await self._redis(self._flush_metrics)
         return "dropped"
 
     async def _sampler_failed(self, e: SamplerError) -> str:
@@ -372,15 +372,14 @@ class Producer:
         except redis.exceptions.RedisError as e:  # the lease will expire instead
             log.error("could not hand back ticket %d: %s", ticket, e)
 
-    async def _waiting(self, fn, *args, **kwargs):
-        """A Redis call that waits (polls, sleeps, WAITs): in a worker thread."""
-        return await blocking(fn, *args, limiter=self._wait_limiter, **kwargs)
+    async def _redis(self, fn, *args, **kwargs):
+        return await blocking(fn, *args, limiter=self._redis_limiter, **kwargs)
 
     # ------------------------------------------------------------ weights and metrics
 
     async def _follow_weights(self) -> None:
         """Load a newer version, once no engine call is in flight (see WeightGate)."""
-        sync = self.follower.tail.latest()
+        sync = await self._redis(self.follower.tail.latest)
         f = self.follower
         if sync is None or sync.version <= f.version or sync.version in f.failed:
             return
