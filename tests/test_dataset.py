@@ -81,6 +81,19 @@ def test_tickets_in_order_then_exhausted_once_leases_end(client, keys):
     assert client.zcard(keys.leases) == 0 and client.hlen(keys.lease_owner) == 0
 
 
+def test_a_publish_gets_the_next_rollout_step_and_the_current_version(client, keys):
+    a = Leases(client, keys, owner="a", lease_seconds=30)
+    first = a.publish(a.claim(), b"x")
+    client.set(keys.version, 7)
+    second = a.publish(a.claim(), b"y")
+    assert (first.rollout_step, first.version) == (1, None)
+    assert (second.rollout_step, second.version) == (2, b"7")
+    assert [i for i, _ in client.xrange(keys.traj)] == [first.entry_id.encode(), second.entry_id.encode()]
+    b = Leases(client, keys, owner="b", lease_seconds=30)
+    assert b.publish(a.claim(), b"z") is None  # not b's lease: no entry, no step
+    assert client.get(keys.rollout_step) == b"2" and client.xlen(keys.traj) == 2
+
+
 def test_concurrent_claims_are_disjoint_and_complete(redis_url, keys):
     from streamer.connection import connect
 
