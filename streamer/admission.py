@@ -142,9 +142,14 @@ return 1
 # ARGV: ticket owner field payload
 # The ticket's admission slot moves to the published entry, which the trainer releases; the
 # group gets the next rollout step, and the reply carries the current policy version (the
-# producer's metrics event needs both: one round trip instead of three).
+# producer's metrics event needs both: one round trip instead of three). A rollout step that
+# is not a number is an error before anything is written.
 _PUBLISH = """
 if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return false end
+local step = redis.call('GET', KEYS[8])
+if step and not string.match(step, '^%d+$') then
+  return redis.error_reply('ERR ' .. KEYS[8] .. ' is not a number')
+end
 local id = redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
@@ -385,13 +390,16 @@ class Leases:
         Returns what was published, or None (nothing was) when the lease was lost.
         """
         k = self.keys
-        reply = self._publish(
-            keys=[
-                *(k.traj, k.leases, k.lease_owner, k.lease_slots, k.held_slots),
-                *(k.row_attempts, k.row_errors, k.rollout_step, k.version),
-            ],
-            args=[ticket, self.owner, FIELD, payload],
-        )
+        try:
+            reply = self._publish(
+                keys=[
+                    *(k.traj, k.leases, k.lease_owner, k.lease_slots, k.held_slots),
+                    *(k.row_attempts, k.row_errors, k.rollout_step, k.version),
+                ],
+                args=[ticket, self.owner, FIELD, payload],
+            )
+        except redis.exceptions.ResponseError as e:  # checked before anything is written
+            raise DataError(f"publishing: {e}") from None
         if reply is None:
             return None
         entry, step, version = reply

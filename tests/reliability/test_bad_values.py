@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
         ("version", "not-a-number", "train"),
         ("limits", "a string, not a hash", "status"),
         ("admitted", "many", "produce"),
+        ("rollout_step", "many", "produce"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_its_key(private_valkey, procs, tmp_path, key, value, role):
