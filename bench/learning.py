@@ -137,7 +137,7 @@ def report(results: dict, args) -> None:
         print(f"| `{loss}` | {cells[0]} | {cells[1]} | {text} | {seeds} | {minutes:.1f} |")
     print()
     goals = "  ".join(f"{k}={v}" for k, v in verdicts.items())
-    print(f"ratios: {goals}  goal: async <= {GOAL}x sync")
+    print(f"ratios: {goals or 'none (one side only)'}  goal: async <= {GOAL}x sync")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
