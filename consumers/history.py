@@ -79,11 +79,3 @@ class History(msgspec.Struct, kw_only=True):
     def reward(self) -> float | None:
         r = self.recent_rewards
         return sum(r) / len(r) if r else None
-
-
-encode = msgspec.msgpack.Encoder().encode
-_decoder = msgspec.msgpack.Decoder(History)
-
-
-def decode(data: bytes) -> History:
-    return _decoder.decode(data)
