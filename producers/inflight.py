@@ -73,10 +73,6 @@ class WeightGate:
                     self._writing = False
                     self._cond.notify_all()
 
-    @property
-    def in_flight(self) -> int:
-        return self._readers
-
 
 async def blocking(fn, /, *args, limiter: anyio.CapacityLimiter | None = None, **kwargs):
     """``fn(*args, **kwargs)`` in a worker thread; cancellation abandons it."""

@@ -103,11 +103,6 @@ class Producer:
         self._gate: WeightGate | None = None
         self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.producer_cfg.lease_seconds / 3))
 
-    @property
-    def current(self) -> int | None:
-        """A ticket held now (any), for callers that think of one row at a time."""
-        return next(iter(self.held), None)
-
     # ------------------------------------------------------------ the loop
 
     def run(self) -> int:

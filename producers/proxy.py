@@ -326,10 +326,6 @@ class ProxyServer:
             },
         }
 
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
 
 _server: ProxyServer | None = None
 _server_lock = threading.Lock()
