@@ -435,7 +435,6 @@ def main(cfg: RunConfig, args) -> int:
         cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name=f"producer-{producer_id}"
     )
     task, sampler = build(cfg)
-    rollouts.load(cfg.producer.rollout)  # a bad import path fails before any work
     producer = Producer(cfg, client=client, producer_id=producer_id, task=task, sampler=sampler)
     previous = _install_signals(producer)
     try:
