@@ -46,7 +46,7 @@ from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect, replicated
 from streamer.errors import StreamerError
 from streamer.keys import Keys
-from streamer.rollout_types import Completion, Episode, RolloutContext, Task
+from streamer.rollout_types import DEFAULT_ROLLOUT, Completion, Episode, RolloutContext, Task
 from streamer.trajectory import PrefixMismatch
 from streamer.values import parse_int
 
@@ -73,7 +73,7 @@ class Producer:
         self.cfg, self.producer_cfg, self.client, self.id = cfg, cfg.producer, client, producer_id
         self.task, self.sampler = task, sampler
         self.rollout = rollout or rollouts.load(self.producer_cfg.rollout)
-        self.rollout_path = self.producer_cfg.rollout or rollouts.DEFAULT
+        self.rollout_path = self.producer_cfg.rollout or DEFAULT_ROLLOUT
         self.keys = Keys(cfg.run.name)
         self.stop = stop or threading.Event()
         self.order = Order(len(task.rows), seed=cfg.run.seed)

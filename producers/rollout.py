@@ -44,7 +44,6 @@ from streamer.rollout_types import DEFAULT_ROLLOUT, Episode, FinishReason, Rollo
 
 log = logging.getLogger(__name__)
 
-DEFAULT = DEFAULT_ROLLOUT
 # why an episode (or a whole rollout) was dropped: counted as rollout `episodes_dropped_{reason}`
 REASONS = EPISODE_DROP_REASONS
 
@@ -72,7 +71,7 @@ def load(path: str) -> Rollout:
     """The rollout at import path ``path`` ("" = :func:`single_turn`), or a service URL."""
     if path.startswith(("http://", "https://")):
         return remote(path)
-    return load_function(path or DEFAULT, what="rollout")
+    return load_function(path or DEFAULT_ROLLOUT, what="rollout")
 
 
 class _WireSegment(msgspec.Struct, forbid_unknown_fields=True):
