@@ -282,14 +282,10 @@ class Producer:
         out = []
         for e in episodes[: self.producer_cfg.group_size]:
             try:
-                out.append(
-                    (
-                        rollouts.to_sample(
-                            e, vocab_size=self.vocab_size, max_seq_len=self.cfg.trainer.max_seq_len
-                        ),
-                        e,
-                    )
+                sample = rollouts.to_sample(
+                    e, vocab_size=self.vocab_size, max_seq_len=self.cfg.trainer.max_seq_len
                 )
+                out.append((sample, e))
             except rollouts.EpisodeRejected as err:
                 self.pending.add(f"episodes_dropped_{err.reason}")
                 log.warning("row %d (epoch %d): episode dropped: %s", pos.row, pos.epoch, err)
