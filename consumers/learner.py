@@ -124,12 +124,9 @@ class Learner:
         """LR of optimizer step ``step`` (0-based; see consumers/schedule.py)."""
         return schedule.lr_at(self.cfg, step)
 
-    def autocast(self):
-        return self.precision.autocast()
-
     def forward_logits(self, model, mb: Batch) -> torch.Tensor:
         """(b, T-1, V) next-token logits of ``mb``'s inputs."""
-        with self.autocast():
+        with self.precision.autocast():
             out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         return out.logits[:, :-1]
 
