@@ -16,10 +16,6 @@ import math
 from streamer.config import TrainerSection
 
 
-def decay_steps(cfg: TrainerSection) -> int:
-    return cfg.lr_decay_steps or cfg.steps * cfg.ppo_minibatches
-
-
 def lr_at(cfg: TrainerSection, step: int) -> float:
     """The LR of optimizer step ``step`` (0-based) under ``cfg``'s schedule."""
     warmup = cfg.warmup_steps
@@ -27,7 +23,8 @@ def lr_at(cfg: TrainerSection, step: int) -> float:
         return cfg.lr * (step + 1) / warmup
     if cfg.lr_schedule == "constant":
         return cfg.lr
-    span = max(decay_steps(cfg) - warmup, 1)
+    decay = cfg.lr_decay_steps or cfg.steps * cfg.ppo_minibatches  # D
+    span = max(decay - warmup, 1)
     p = min(1.0, (step - warmup) / span)
     m = cfg.min_lr_ratio
     shape = 1.0 - p if cfg.lr_schedule == "linear" else (1.0 + math.cos(math.pi * p)) / 2
