@@ -232,11 +232,7 @@ class State:
                 fam = by_name.get(n) or by_name.setdefault(n, counter(n, None, labels=["producer"]))
                 fam.add_metric([producer], v)
             out += by_name.values()
-            events = CounterMetricFamily(
-                "streamer_exporter_events_total",
-                _help("streamer_exporter_events_total"),
-                labels=["axis"],
-            )
+            events = counter("streamer_exporter_events_total", None, labels=["axis"])
             for axis, n in self.events.items():
                 events.add_metric([axis], n)
             out += [events, gauge("streamer_exporter_unknown_names", len(self.unknown_names))]
@@ -261,30 +257,25 @@ def counter(name: str, value: float | None, *, labels=None) -> CounterMetricFami
 def _health_families(h: Snapshot, now: float, last_train_at: float | None) -> list:
     length = gauge("streamer_stream_length", None, labels=["stream"])
     added = counter("streamer_stream_entries_added_total", None, labels=["stream"])
-    per_group = {
-        n: gauge(n, None, labels=["stream", "group"])
-        for n in (
-            "streamer_stream_group_lag",
-            "streamer_stream_group_pending",
-            "streamer_stream_group_consumers",
-        )
-    }
+    lag = gauge("streamer_stream_group_lag", None, labels=["stream", "group"])
+    pending = gauge("streamer_stream_group_pending", None, labels=["stream", "group"])
+    consumers = gauge("streamer_stream_group_consumers", None, labels=["stream", "group"])
     read = counter("streamer_stream_group_entries_read_total", None, labels=["stream", "group"])
     for s in h.streams:
         length.add_metric([s.name], s.length)
         added.add_metric([s.name], s.entries_added)
         for g in s.groups:
-            per_group["streamer_stream_group_lag"].add_metric([s.name, g.name], g.lag)
-            per_group["streamer_stream_group_pending"].add_metric([s.name, g.name], g.pending)
-            per_group["streamer_stream_group_consumers"].add_metric([s.name, g.name], g.consumers)
+            lag.add_metric([s.name, g.name], g.lag)
+            pending.add_metric([s.name, g.name], g.pending)
+            consumers.add_metric([s.name, g.name], g.consumers)
             if g.entries_read is not None:
                 read.add_metric([s.name, g.name], g.entries_read)
-    out = [length, added, read, *per_group.values()]
+    out = [length, added, read, lag, pending, consumers]
     out += [
         counter("streamer_dead_letters_total", h.dead_letters),
         gauge("streamer_live_producers", h.live_producers),
+        gauge("streamer_admitted_groups", h.admitted),
     ]
-    out.append(gauge("streamer_admitted_groups", h.admitted))
     if h.policy:
         out.append(gauge("streamer_policy_version", h.policy.version))
         out.append(gauge("streamer_policy_age_seconds", max(0.0, now - h.policy.at)))
