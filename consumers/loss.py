@@ -38,7 +38,6 @@ import torch
 from consumers import losses
 
 Agg = Literal["token-mean", "seq-mean"]
-LOG_RATIO_CLAMP = 20.0
 
 
 def group_advantages(
@@ -172,8 +171,7 @@ def policy_loss(
     if kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp")
-        d = (ref_logp.detach() - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        kl = aggregate(d.exp() - d - 1.0, weights, agg, denom)
+        kl = aggregate(_k3(ref_logp.detach(), logp), weights, agg, denom)
         total = total + kl_coef * kl
     with torch.no_grad():
         stats = {
@@ -184,9 +182,9 @@ def policy_loss(
     return total, stats
 
 
-def _k3(log_r: torch.Tensor) -> torch.Tensor:
-    """k3 estimate of KL(p || q) per token from log_r = log q - log p on samples of p."""
-    log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+def _k3(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(p || q) per token from log q and log p on samples of p."""
+    log_r = losses.log_ratio(log_q, log_p)
     return log_r.exp() - log_r - 1.0
 
 
@@ -197,15 +195,15 @@ def _token_stats(t, logp, prox_logp, sampler_logp, weights, params) -> dict[str,
     def mean(x: torch.Tensor) -> torch.Tensor:
         return (x.float() * trained).sum() / n
 
-    raw_is = (prox_logp - sampler_logp).clamp(max=LOG_RATIO_CLAMP).exp()
+    raw_is = (prox_logp - sampler_logp).clamp(max=losses.LOG_RATIO_CLAMP).exp()
     low, high = t.clipped_low & trained, t.clipped_high & trained
     return {
         "clip_fraction": mean(low | high),
         "clip_low_fraction": mean(low),
         "clip_high_fraction": mean(high),
         "ratio_mean": mean(t.ratio),
-        "ppo_kl": mean(_k3(logp.detach() - prox_logp)),
-        "mismatch_kl": mean(_k3(prox_logp - sampler_logp)),
+        "ppo_kl": mean(_k3(logp.detach(), prox_logp)),
+        "mismatch_kl": mean(_k3(prox_logp, sampler_logp)),
         "is_weight_mean": mean(raw_is.clamp(max=params.get("tis_cap", float("inf")))),
         "is_weight_max": raw_is.masked_fill(~trained, 0.0).max(),
     }
