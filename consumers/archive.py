@@ -32,7 +32,7 @@ from schemas import TrajectoryGroup
 from streamer import lifecycle, models
 from streamer.bus import Consumer, Delivery
 from streamer.config import RunConfig
-from streamer.connection import TRANSIENT, connect, retrying
+from streamer.connection import connect, retrying
 from streamer.keys import ARCHIVE_GROUP, Keys
 
 log = logging.getLogger(__name__)
@@ -205,9 +205,6 @@ def main(cfg: RunConfig, args: argparse.Namespace) -> int:
     archiver = Archiver(cfg)
     try:
         archiver.run(stop)
-    except TRANSIENT as e:
-        log.error("server unavailable: %s", e)
-        return 1
     finally:
         archiver.close()
         lifecycle.restore_signals(previous)
