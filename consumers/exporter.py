@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 __all__ = ["SERIES", "Exporter", "Series", "State", "main"]
 
 CONSUMER_NAME = "exporter"  # stable, so a restarted exporter reads its own pending entries first
-REPLAY_CHUNK = 1000
 
 
 class _Collector:
@@ -105,9 +104,7 @@ class Exporter:
             state, after = saved_state.restore(snap), snap.last_id
             self._trim_to = snap.last_id
             log.info("restored the metrics state of %s (%d events)", snap.last_id, sum(snap.events.values()))
-        for entry_id, event in scan(
-            self.client, self.keys.metrics, MetricsEvent, after=after, chunk=REPLAY_CHUNK
-        ):
+        for entry_id, event in scan(self.client, self.keys.metrics, MetricsEvent, after=after):
             if event is None:
                 bad += 1  # the group consumer dead-letters it when (or if) it reads it
             else:
