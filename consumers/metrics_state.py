@@ -242,16 +242,12 @@ class State:
         return out
 
 
-def _help(name: str) -> str:
-    return SERIES[name].help
-
-
 def gauge(name: str, value: float | None, *, help_: str | None = None, labels=None) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, help_ or _help(name), value=value, labels=labels)
+    return GaugeMetricFamily(name, help_ or SERIES[name].help, value=value, labels=labels)
 
 
 def counter(name: str, value: float | None, *, labels=None) -> CounterMetricFamily:
-    return CounterMetricFamily(name, _help(name), value=value, labels=labels)
+    return CounterMetricFamily(name, SERIES[name].help, value=value, labels=labels)
 
 
 def _health_families(h: Snapshot, now: float, last_train_at: float | None) -> list:
