@@ -38,11 +38,8 @@ def load_rows(source: str, *, split: str = "train") -> list[dict]:
         raise DatasetError(f"cannot read dataset {path}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise DatasetError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        rows.append(parse_row(line, where=f"{path}:{lineno}"))
+    lines = enumerate(text.splitlines(), start=1)
+    rows = [parse_row(line, where=f"{path}:{lineno}") for lineno, line in lines if line.strip()]
     if not rows:
         raise DatasetError(f"{path}: no rows (expected one JSON object per line)")
     return rows
