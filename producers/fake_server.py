@@ -63,11 +63,9 @@ class FakeCompletionsServer:
         *,
         latency: float = 0.0,
         token_ids_field: bool = True,
-        reload_path: str = "/update_weights_from_disk",
         host: str = "127.0.0.1",
     ):
         self.backend, self.latency, self.token_ids_field = backend, latency, token_ids_field
-        self.reload_path = reload_path
         self.hold = threading.Event()
         self.hold.set()  # clear() to make requests wait until set() again
         self.started = threading.Event()  # set when a completions request arrives
@@ -184,7 +182,7 @@ def _handler(server: FakeCompletionsServer):
                 else:
                     server.adapters.pop(name, None)
                 return self.send_body(200, f"Success: LoRA adapter '{name}' updated.".encode())
-            if self.path == server.reload_path:
+            if self.path == "/update_weights_from_disk":
                 server.reloads.append(body.get("model_path", ""))
                 return self.send_json(200, {"success": True, "message": "loaded"})
             return self.send_json(404, {"object": "error", "message": f"no route {self.path}", "code": 404})
