@@ -83,11 +83,8 @@ class Batch:
         return [self.rows(slice(i, i + rows)) for i in range(0, self.size, rows)]
 
     def _map(self, fn) -> Batch:
-        return Batch(**{f.name: _opt(fn, getattr(self, f.name)) for f in dataclasses.fields(self)})
-
-
-def _opt(fn, t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else fn(t)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return Batch(**{name: None if t is None else fn(t) for name, t in fields.items()})
 
 
 def advantages_of(
