@@ -65,7 +65,6 @@ one Python twin of the admission rule is :func:`admission_limit`, which `streame
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -76,8 +75,6 @@ from streamer.bus import FIELD, as_str
 from streamer.errors import LeaseLost
 from streamer.keys import Keys
 from streamer.values import DataError
-
-log = logging.getLogger(__name__)
 
 EXHAUSTED = -1  # every ticket of the configured epochs is claimed and no lease is open
 WAIT = -2  # no ticket now, but open leases may still expire and be re-issued

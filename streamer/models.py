@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import logging
-
 from streamer import demo
 from streamer.config import ModelSection
-
-log = logging.getLogger(__name__)
 
 
 def device(cfg: ModelSection) -> str:

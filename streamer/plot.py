@@ -14,7 +14,6 @@ looking at a run, not for the processes that run it. Without it `streamer plot` 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
@@ -26,8 +25,6 @@ from streamer.bus import scan
 from streamer.config import RunConfig
 from streamer.connection import connect, redact
 from streamer.keys import Keys
-
-log = logging.getLogger(__name__)
 
 CHUNK = 1000
 

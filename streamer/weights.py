@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -23,8 +22,6 @@ from pathlib import Path
 from schemas import WeightSync
 from streamer import tensorfile
 from streamer.errors import DiskError, WeightsError
-
-log = logging.getLogger(__name__)
 
 _PREFIX = "v"
 WEIGHTS_FILE = "model.safetensors"
