@@ -1,28 +1,7 @@
 """Every error Streamer raises on purpose, in one place: one base, subclasses that also inherit
 the stdlib type they resemble. The CLI prints a :class:`StreamerError` as one line (exit 1; a
 :class:`ConfigError` exits 2). ``DecodeError`` (a message that is not a valid event) lives with
-the codec in ``schemas``, which does not depend on this package, and is re-exported here."""
-
-from schemas.codec import DecodeError
-
-__all__ = [
-    "AdapterError",
-    "BackpressureTimeout",
-    "CheckpointError",
-    "ConfigError",
-    "DataError",
-    "DatasetError",
-    "DecodeError",
-    "DiskError",
-    "EpisodeRejected",
-    "LeaseLost",
-    "LockedError",
-    "PrefixMismatch",
-    "SamplerError",
-    "ServerError",
-    "StreamerError",
-    "WeightsError",
-]
+the codec in ``schemas``, which does not depend on this package."""
 
 
 class StreamerError(Exception):
