@@ -15,7 +15,6 @@ minutes the demo has. Plain addition has structure a tiny model finds quickly.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 DEMO = "demo"
 CHAT_TEMPLATE = (
@@ -132,11 +131,3 @@ def build_model(seed: int = 0):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(model_config())
     return model
-
-
-def save(directory: str | Path, seed: int = 0) -> Path:
-    """Write the demo model and tokenizer in HF layout (for tools that want a path)."""
-    directory = Path(directory)
-    build_model(seed).save_pretrained(directory)
-    tokenizer().save_pretrained(directory)
-    return directory
