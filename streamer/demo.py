@@ -129,5 +129,4 @@ def build_model(seed: int = 0):
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(model_config())
-    return model
+        return AutoModelForCausalLM.from_config(model_config())
