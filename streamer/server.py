@@ -85,25 +85,9 @@ class EmbeddedServer:
 
     def start(self, timeout: float = 15.0) -> EmbeddedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [
-            str(self.binary or valkey_binary()),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.data_dir),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            self.appendfsync,
-            "--save",
-            "",
-            "--daemonize",
-            "no",
-            "--logfile",
-            str(self.data_dir / "valkey.log"),
-        ]
+        args = [str(self.binary or valkey_binary()), "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", self.appendfsync]
+        args += ["--save", "", "--daemonize", "no", "--logfile", str(self.data_dir / "valkey.log")]
         if self.socket_path:
             args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         if self.password:  # in a mode-600 config file, not argv (readable by every local user)
