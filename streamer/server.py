@@ -119,10 +119,8 @@ class EmbeddedServer:
                 try:  # answered by our process, not another server on the port?
                     if int(client.info("server")["process_id"]) == self.proc.pid:
                         break
-                except redis.exceptions.BusyLoadingError:
-                    pass
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                    pass
+                    pass  # not up yet (BusyLoadingError, loading the AOF, is a ConnectionError)
                 if time.monotonic() > deadline:
                     self.kill()
                     raise ServerError(f"valkey-server did not answer within {timeout:.0f}s")
