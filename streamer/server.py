@@ -13,6 +13,7 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
+from streamer.bus import as_str
 from streamer.errors import ServerError
 from streamer.lifecycle import child_preexec
 
@@ -209,7 +210,7 @@ class LocalCluster:
             self._wait(
                 clients, timeout, lambda c: _cluster_info(c)["cluster_known_nodes"] == str(len(clients))
             )
-            ids = [_as_str(c.execute_command("CLUSTER", "MYID")) for c in clients[: self.masters]]
+            ids = [as_str(c.execute_command("CLUSTER", "MYID")) for c in clients[: self.masters]]
             for i, c in enumerate(clients[self.masters :]):
                 c.execute_command("CLUSTER", "REPLICATE", ids[i % self.masters])
             self._wait(clients, timeout, lambda c: _cluster_info(c)["cluster_state"] == "ok")
@@ -270,12 +271,8 @@ def _client(node: EmbeddedServer) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5.0)
 
 
-def _as_str(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _cluster_info(client: redis.Redis) -> dict[str, str]:
-    text = _as_str(client.execute_command("CLUSTER", "INFO"))
+    text = as_str(client.execute_command("CLUSTER", "INFO"))
     return dict(line.split(":", 1) for line in text.split() if ":" in line)
 
 
