@@ -401,9 +401,6 @@ class Tail(Generic[T]):
             return None
 
 
-encode_raw = msgspec.msgpack.Encoder().encode
-
-
 def _flatten(fields: dict) -> bytes:
     """An entry's fields as msgpack, for a dead letter of an entry without a payload."""
-    return encode_raw({as_str(k): bytes(v) for k, v in fields.items()})
+    return msgspec.msgpack.encode({as_str(k): bytes(v) for k, v in fields.items()})
