@@ -26,8 +26,6 @@ from streamer.config import RunConfig
 from streamer.connection import connect, redact
 from streamer.keys import Keys
 
-CHUNK = 1000
-
 
 def load_history(client, keys: Keys) -> History | None:
     """The exporter's snapshot plus the stream after it; None when the run has neither."""
@@ -35,9 +33,7 @@ def load_history(client, keys: Keys) -> History | None:
     history = snap.history if snap else History()
     seen = SeenIds(ids=snap.seen if snap else ())
     found = snap is not None
-    for _, event in scan(
-        client, keys.metrics, MetricsEvent, after=snap.last_id if snap else "-", chunk=CHUNK
-    ):
+    for _, event in scan(client, keys.metrics, MetricsEvent, after=snap.last_id if snap else "-"):
         found = True
         if event is not None and seen.add(event.id):
             history.apply(event)
