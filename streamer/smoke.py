@@ -58,10 +58,6 @@ def main(cfg, args) -> int:
         finally:
             if server:
                 server.stop()
-    print(
-        "smoke ok:",
-        ", ".join(names),
-        "round-tripped through",
-        "the embedded server" if server else "the server",
-    )
+    where = "the embedded server" if server else "the server"
+    print(f"smoke ok: {', '.join(names)} round-tripped through {where}")
     return 0
