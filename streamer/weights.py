@@ -300,10 +300,7 @@ def read_full(model, directory: Path) -> dict:
     checked like :func:`load_into`; tied copies the files leave out are left out here too."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(directory).glob("*.safetensors"))
-    out: dict = {}
-    for f in files:
-        out.update(load_file(f))
+    out = {k: t for f in sorted(Path(directory).glob("*.safetensors")) for k, t in load_file(f).items()}
     _check_fits(model, model.state_dict().keys(), out.keys(), directory)
     return out
 
