@@ -27,10 +27,6 @@ FinishReason = Literal["stop", "length", "abort"]
 Axis = Literal["train", "rollout", "eval"]
 
 
-def _now() -> float:
-    return time.time()
-
-
 def _event_id() -> str:
     return os.urandom(8).hex()
 
@@ -183,7 +179,7 @@ class TrajectoryGroup(msgspec.Struct, frozen=True, tag="group", kw_only=True, gc
     samples: list[Sample]
     policy_version: int  # oldest version among the samples (and all their turns)
     created_at: float  # when sampling started
-    published_at: float = msgspec.field(default_factory=_now)
+    published_at: float = msgspec.field(default_factory=time.time)
     schema: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -210,7 +206,7 @@ class WeightSync(msgspec.Struct, frozen=True, tag="weights", kw_only=True):
     step: int  # trainer step that produced these weights (not optimizer steps)
     uri: str  # file:// URI of a safetensors file (HF layout) or a directory holding one
     sha256: str
-    at: float = msgspec.field(default_factory=_now)
+    at: float = msgspec.field(default_factory=time.time)
     schema: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -228,7 +224,7 @@ class MetricsEvent(msgspec.Struct, frozen=True, tag="metrics", kw_only=True):
     step: int
     values: dict[str, float]
     source: str  # "trainer", "producer-<id>", "eval"
-    at: float = msgspec.field(default_factory=_now)
+    at: float = msgspec.field(default_factory=time.time)
     schema: int = SCHEMA_VERSION
     # random per event, fixed at construction: an XADD retried after a lost reply repeats the
     # same bytes, so a second entry with this id is a copy that readers skip ("" = no id)
@@ -247,7 +243,7 @@ class DeadLetter(msgspec.Struct, frozen=True, tag="dead", kw_only=True):
     raw: bytes
     reason: str
     consumer: str = ""
-    at: float = msgspec.field(default_factory=_now)
+    at: float = msgspec.field(default_factory=time.time)
     schema: int = SCHEMA_VERSION
 
 
