@@ -126,11 +126,9 @@ class Stack:
             self.server.stop()
 
     def failed(self) -> Child | None:
-        for c in self.children.values():
-            code = c.exited()
-            if code not in (None, 0) and not c.stopping:
-                return c
-        return None
+        return next(
+            (c for c in self.children.values() if c.exited() not in (None, 0) and not c.stopping), None
+        )
 
 
 def _role_argv(cmd: str, cfg: RunConfig, args, *extra: str) -> list[str]:
