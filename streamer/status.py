@@ -115,10 +115,6 @@ class Snapshot(msgspec.Struct, kw_only=True):
         return next(s for s in self.streams if s.name == name)
 
 
-def stream_keys(keys: Keys) -> dict[str, str]:
-    return {"traj": keys.traj, "policy": keys.policy, "metrics": keys.metrics, "dead": keys.dead}
-
-
 def snapshot(
     client: redis.Redis,
     keys: Keys,
@@ -130,7 +126,7 @@ def snapshot(
 ) -> Snapshot:
     """Read the run's health from the server; ``stalled``/``reasons`` filled in."""
     now = time.time() if now is None else now
-    named = stream_keys(keys)
+    named = {"traj": keys.traj, "policy": keys.policy, "metrics": keys.metrics, "dead": keys.dead}
     pipe = client.pipeline(transaction=False)
     for key in named.values():
         pipe.xinfo_stream(key)
