@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import queue
 import struct
@@ -115,9 +116,7 @@ def _check(path: Path, name: str, spec, data_bytes: int) -> None:
     try:
         dtype = DTYPES[spec["dtype"]]
         begin, end = (int(x) for x in spec["data_offsets"])
-        count = 1
-        for d in spec["shape"]:
-            count *= int(d)
+        count = math.prod(int(d) for d in spec["shape"])
     except (KeyError, TypeError, ValueError):
         raise WeightsError(f"{path}: tensor {name!r} has a malformed header entry") from None
     if not 0 <= begin <= end <= data_bytes or end - begin != count * dtype.itemsize:
