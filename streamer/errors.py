@@ -1,7 +1,9 @@
 """Every error Streamer raises on purpose, in one place: one base, subclasses that also inherit
 the stdlib type they resemble. The CLI prints a :class:`StreamerError` as one line (exit 1; a
 :class:`ConfigError` exits 2). ``DecodeError`` (a message that is not a valid event) lives with
-the codec in ``schemas``, which does not depend on this package."""
+the codec in ``schemas``, which does not depend on this package, and is re-exported here."""
+
+from schemas.codec import DecodeError as DecodeError
 
 
 class StreamerError(Exception):
