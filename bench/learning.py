@@ -66,16 +66,16 @@ def run_cell(*, loss: str, staleness: int, seed: int, args) -> dict:
         argv += ["--until-eval", str(TARGET)]
         argv += ["--data-dir", d, "--producers", str(args.producers)]
         began = time.monotonic()
-        log = (Path(d) / "up.log").open("w+")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:  # past the deadline the run stops as after Ctrl-C (exit 130), its curve recorded
-            proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            proc.wait(timeout=120)
-        if proc.returncode not in (0, 130):
-            log.seek(0)
-            sys.exit(f"streamer up exited {proc.returncode}:\n{log.read()[-4000:]}")
+        with (Path(d) / "up.log").open("w+") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            try:  # past the deadline the run stops as after Ctrl-C (exit 130), its curve recorded
+                proc.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                proc.wait(timeout=120)
+            if proc.returncode not in (0, 130):
+                log.seek(0)
+                sys.exit(f"streamer up exited {proc.returncode}:\n{log.read()[-4000:]}")
         curve = json.loads((Path(d) / "demo" / "curve.json").read_text())
     group_size = demo.config().producer.group_size
     return {**samples_to_target(curve, group_size), "seconds": time.monotonic() - began}
