@@ -63,19 +63,24 @@ def test_up_hands_children_the_url_in_the_environment_not_argv(tmp_path):
             text=True,
         )
         seen: dict[int, str] = {}
+        expected = ["archive", "eval", "metrics", "produce", "produce", "train", "up"]
+
+        def roles() -> list[str]:
+            return sorted(m.group(1) for c in seen.values() if (m := ROLE.search(c)))
+
         try:
             deadline = time.monotonic() + 120
-            # every role started (metrics, train, eval, archive, 2 producers), or `up` already done
+            # every role started, or `up` already done. A child between fork and exec still
+            # shows up's command line, so wait for the roles, not for a count of processes.
             while up.poll() is None and time.monotonic() < deadline:
                 seen.update(_cmdlines(_children(up.pid) | {up.pid}))
-                if sum(" -m streamer " in c for c in seen.values()) >= 7:
+                if roles() == expected:
                     break
                 time.sleep(0.2)
             out, _ = up.communicate(timeout=300)
         finally:
             up.kill()
-        roles = sorted(m.group(1) for c in seen.values() if (m := ROLE.search(c)))
-        assert roles == ["archive", "eval", "metrics", "produce", "produce", "train", "up"], (roles, out)
+        assert roles() == expected, (roles(), out)
         leaks = [c for c in seen.values() if SECRET in c]
         assert not leaks, f"the password appears on a command line: {leaks}"
         assert up.returncode == 0, out
