@@ -83,16 +83,11 @@ def _tree(pid: int) -> dict[int, tuple[str, float]]:
 def model_config_file(hidden: int, layers: int, workdir: Path) -> Path:
     """A run config of the demo with a demo model of ``hidden`` x ``layers`` on disk."""
     import msgspec
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from streamer import demo
     from streamer.config import replace, write_toml
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        demo.model_config(hidden=hidden, layers=layers, intermediate=2 * hidden)
-    )
+    model = demo.build_model(hidden=hidden, layers=layers, intermediate=2 * hidden)
     model.save_pretrained(workdir / "model")
     demo.tokenizer().save_pretrained(workdir / "model")
     cfg = replace(demo.config(), model={"name_or_path": str(workdir / "model")})

@@ -122,11 +122,11 @@ def model_config(*, hidden: int = 64, layers: int = 2, heads: int = 4, intermedi
     )
 
 
-def build_model(seed: int = 0):
-    """The untrained demo model, deterministic for a seed."""
+def build_model(seed: int = 0, **size):
+    """The untrained demo model, deterministic for a seed; ``size``: :func:`model_config`'s."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(model_config())
+        return AutoModelForCausalLM.from_config(model_config(**size))
