@@ -37,6 +37,7 @@ import numpy as np
 
 from producers.rewards import score
 from schemas import Sample, Span
+from schemas.events import LOGPROB_DTYPE, TOKEN_DTYPE
 from schemas.metric_names import EPISODE_DROP_REASONS
 from streamer.errors import EpisodeRejected, SamplerError
 from streamer.imports import load_function
@@ -164,21 +165,25 @@ def to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int = 0) -> Sam
     if ids.min() < 0 or ids.max() >= vocab_size:
         bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
         raise EpisodeRejected("bad_token", f"token id {bad} outside the vocabulary [0, {vocab_size})")
-    if not np.isfinite(np.asarray(logprobs, np.float64)).all():
+    # checked as sent: a float64 log-prob beyond float32's range would arrive as inf
+    with np.errstate(over="ignore"):
+        lps = np.asarray(logprobs, LOGPROB_DTYPE)
+    if not np.isfinite(lps).all():
         raise EpisodeRejected("bad_logprob", "a sampled token's log-prob is NaN or infinite")
     if max_seq_len and len(tokens) > max_seq_len:
         raise EpisodeRejected("too_long", f"{len(tokens)} tokens > max_seq_len {max_seq_len}")
     if not isinstance(episode.reward, (int, float)) or not math.isfinite(episode.reward):
         raise EpisodeRejected("bad_reward", f"reward {episode.reward!r} is not a finite number")
     single = len(spans) == 1 and spans[0].start == 0 and spans[0].end == len(logprobs)
-    return Sample.build(
-        prompt_ids=segs[0].tokens,
-        completion_ids=tokens[len(segs[0].tokens) :],
-        logprobs=logprobs,
+    # packed from the arrays checked above (Sample.build would convert every list again)
+    return Sample(
+        tokens=memoryview(ids.astype(TOKEN_DTYPE).tobytes()),
+        logprobs=memoryview(lps.tobytes()),
+        prompt_len=len(segs[0].tokens),
         reward=float(episode.reward),
         finish_reason=episode.finish_reason if episode.finish_reason in ("stop", "length") else "stop",
         version=min(s.version for s in spans),
-        mask=None if single and all(mask) else mask,
+        mask=None if single and all(mask) else memoryview(np.asarray(mask, np.uint8).tobytes()),
         spans=None if single else spans,
     )
 
@@ -192,8 +197,9 @@ def _check_segment(i: int, s: Segment) -> None:
         )
     if s.sampled and (not isinstance(s.version, int) or s.version < 0):
         raise EpisodeRejected("malformed", f"segment {i}: sampled without a policy version")
-    w = s.weights()
-    if len(w) != len(s.tokens) or any(x not in (0, 1) for x in w):
+    if s.mask is None:  # the default weights: 1 per sampled token, 0 per other
+        return
+    if len(s.mask) != len(s.tokens) or any(x not in (0, 1) for x in s.mask):
         raise EpisodeRejected("malformed", f"segment {i}: mask must be one 0/1 per token")
-    if not s.sampled and any(w):
+    if not s.sampled and any(s.mask):
         raise EpisodeRejected("malformed", f"segment {i}: loss weight on tokens it did not sample")

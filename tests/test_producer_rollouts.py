@@ -13,11 +13,11 @@ import redis
 from consumers.filters import is_stale
 from producers.components import build
 from producers.producer import Producer
-from producers.rollout import single_turn
+from producers.rollout import single_turn, to_sample
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from streamer import demo, weights
 from streamer.config import RunConfig, replace
-from streamer.errors import ConfigError
+from streamer.errors import ConfigError, EpisodeRejected
 from streamer.rollout_types import Completion, Episode, Segment, episodes
 from streamer.trajectory import Trajectory
 
@@ -171,6 +171,17 @@ def test_a_hung_rollout_is_cancelled_and_its_row_handed_back(keys, redis_url, tm
     p._flush_metrics()
     assert _counters(client, keys)["episodes_dropped_timeout"] == 2
     _no_lease_or_slot_left(client, keys)
+
+
+def test_a_log_prob_checked_as_it_is_sent():
+    """Log-probs travel as float32: one finite in float64 but not in float32 is rejected,
+    and an accepted episode's values arrive as given."""
+    with pytest.raises(EpisodeRejected, match="NaN or infinite") as e:
+        to_sample(Episode([Segment([1]), Segment([2], [-1e300], 0)], 1.0), vocab_size=10)
+    assert e.value.reason == "bad_logprob"
+    s = to_sample(Episode([Segment([1, 3]), Segment([2, 4], [-0.5, -0.25], 7)], 1.0), vocab_size=10)
+    assert s.token_ids().tolist() == [1, 3, 2, 4] and s.prompt_len == 2 and s.version == 7
+    assert s.sampler_logprobs().tolist() == [-0.5, -0.25] and s.mask is None and s.spans is None
 
 
 def test_malformed_episodes_are_dropped_with_reasons_and_never_published(keys, redis_url, tmp_path, client):
