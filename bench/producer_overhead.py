@@ -1,0 +1,175 @@
+"""Where a demo producer's CPU per group goes: the producer loop against the bare work.
+
+One process, one torch thread, a private valkey-server (AOF everysec, as `up` runs it).
+Four sides, alternated round by round so that load from elsewhere hits all of them:
+
+    producer          the real Producer (claim, admission, weights check, rollout, episode
+                      checks, publish script, backpressure check, metrics event), the demo
+                      model sampling through LocalSampler; admission and backpressure wide
+                      open (no trainer), the trainer's group on the stream as in a run
+    producer canned   the same loop with a sampler that returns canned completions: what
+                      the loop costs around the engine call
+    bare              what the bare loop of bench/cpu_per_version.py does per group: render,
+                      one ``LocalSampler.sample`` of G completions, score each, Sample.build
+    bare canned       the same with the canned sampler
+
+No trainer runs, so no side loads weights (in a run each producer loads every version:
+bench/cpu_per_version.py counts that). CPU seconds per group, this process's and the
+server's (INFO cpu). The split:
+
+    loop around the engine     producer canned - bare canned   (Redis, thread hops, checks)
+    engine call in the loop    (producer - producer canned) - (bare - bare canned)
+
+    python bench/producer_overhead.py            # 300 groups a side, 3 rounds (~25 s here)
+    python bench/producer_overhead.py --quick    # 30 groups, 1 round (~6 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as C
+
+SIDES = ("producer", "producer canned", "bare", "bare canned")
+
+
+class Canned:
+    """A LocalSampler stand-in that returns the same G completions for every prompt."""
+
+    def __init__(self, real, completions):
+        self.model, self.stop_ids, self.max_parallel = real.model, real.stop_ids, 1
+        self.real, self.completions = real, completions
+
+    def sample(self, prompt_ids, **kwargs):
+        return list(self.completions)
+
+    def sample_many(self, prompts, **kwargs):
+        return [list(self.completions) for _ in prompts]
+
+    def load_weights(self, directory) -> None:
+        self.real.load_weights(directory)
+
+    def close(self) -> None:
+        pass
+
+
+def producer_side(cfg, client, task, sampler, groups: int) -> None:
+    from producers.producer import Producer
+    from streamer.config import replace
+    from streamer.keys import TRAINER_GROUP, Keys
+
+    run = f"po{uuid.uuid4().hex[:8]}"
+    cfg = replace(cfg, run={"name": run}, producer={"max_groups": groups})
+    # the trainer's group, so that the room check reads it as in a run
+    client.xgroup_create(Keys(run).traj, TRAINER_GROUP, id="0", mkstream=True)
+    producer = Producer(cfg, client=client, producer_id="bench", task=task, sampler=sampler)
+    producer.run()
+    assert producer.published == groups, f"published {producer.published} of {groups}"
+
+
+def bare_side(cfg, task, sampler, groups: int, seed: int) -> None:
+    from producers.rewards import score
+    from schemas import Sample
+
+    p, rng = cfg.producer, random.Random(seed)
+    for i in range(groups):
+        row = rng.choice(task.rows)
+        prompt = task.renderer.render(row)
+        comps = sampler.sample(
+            prompt,
+            n=p.group_size,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            max_new_tokens=p.max_new_tokens,
+            seed=seed + i,
+        )
+        for c in comps:
+            Sample.build(
+                prompt_ids=prompt,
+                completion_ids=c.token_ids,
+                logprobs=c.logprobs,
+                reward=score(task.reward_fn, row, task.renderer.decode(c.token_ids), c),
+                finish_reason=c.finish_reason,
+                version=0,
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--groups", type=int, default=300, help="groups per side per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="30 groups, 1 round")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.groups, args.rounds = 30, 1
+
+    import torch
+
+    from producers.components import build
+    from streamer import demo
+    from streamer.config import replace
+    from streamer.server import EmbeddedServer
+
+    torch.set_num_threads(1)
+    cpu = {s: 0.0 for s in SIDES}
+    server = {s: 0.0 for s in SIDES}
+    with (
+        tempfile.TemporaryDirectory(prefix="streamer-po-") as tmp,
+        EmbeddedServer(Path(tmp) / "valkey") as srv,
+    ):
+        client = C.bench_client(srv.url)
+        cfg = replace(
+            demo.config(),
+            run={"redis_url": srv.url, "data_dir": tmp},
+            trainer={"max_staleness": 1_000_000},  # no trainer: admission never closes
+            bus={"max_unacked": 1_000_000},
+        )
+        task, real = build(cfg)
+        p = cfg.producer
+        prompt = task.renderer.render(task.rows[0])
+        kw = dict(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.max_new_tokens)
+        canned = Canned(real, real.sample(prompt, n=p.group_size, **kw, seed=0))
+        bare_side(cfg, task, real, 20, seed=0)  # warm both paths before timing
+        producer_side(cfg, client, task, real, 20)
+        for r in range(args.rounds):
+            for side in C.alternate(SIDES, r):
+                sampler = canned if side.endswith("canned") else real
+                watch = C.Stopwatch(client)
+                watch.start()
+                if side.startswith("producer"):
+                    producer_side(cfg, client, task, sampler, args.groups)
+                else:
+                    bare_side(cfg, task, sampler, args.groups, seed=1000 * r)
+                watch.stop()
+                cpu[side] += watch.cpu
+                server[side] += watch.server
+    n = args.groups * args.rounds
+    ms = {s: 1000 * cpu[s] / n for s in SIDES}
+    srv_ms = {s: 1000 * server[s] / n for s in SIDES}
+    C.print_table(
+        ["side", "groups", "process CPU ms / group", "server CPU ms / group", "total ms / group"],
+        [[s, n, ms[s], srv_ms[s], ms[s] + srv_ms[s]] for s in SIDES],
+    )
+    total = {s: ms[s] + srv_ms[s] for s in SIDES}
+    loop = total["producer canned"] - total["bare canned"]
+    engine = (ms["producer"] - ms["producer canned"]) - (ms["bare"] - ms["bare canned"])
+    print(f"the loop around the engine call: {loop:.2f} ms / group (this process and the server)")
+    print(f"the engine call inside the loop, over the bare call: {engine:.2f} ms / group")
+    C.print_ratios(
+        {
+            "producer_vs_bare_per_group": total["producer"] / total["bare"],
+            "canned_producer_vs_bare_per_group": total["producer canned"] / total["bare canned"],
+        }
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
