@@ -5,7 +5,8 @@ policy version -> run the rollout function (``producer.rollout``; the default re
 samples G completions and rewards each) -> check every episode -> publish one
 TrajectoryGroup (the XADD and the end of the lease in one script) -> publish a rollout
 MetricsEvent. ``producer.concurrency`` rows are in flight at once (anyio tasks), each
-with its own lease and admission slot; blocking calls run in worker threads. A group
+with its own lease and admission slot; blocking calls run in worker threads (Redis calls
+run on the event loop when one row at a time samples an in-process model). A group
 with fewer than ``min_group_size`` good episodes is dropped: its slot is released and
 nothing is published. A rollout that raises or outlives ``rollout_timeout`` hands its row
 back; after ``producer.max_row_attempts`` failed attempts (counted on the server, by any
@@ -142,6 +143,9 @@ class Producer:
         self._sample_limiter = anyio.CapacityLimiter(getattr(self.sampler, "max_parallel", 1))
         local = getattr(self.sampler, "max_parallel", 1) == 1 and hasattr(self.sampler, "sample_many")
         self._batcher = MicroBatcher(self._sample_batch) if local else None
+        # one row at a time on an in-process model: while a Redis call runs, the loop has
+        # nothing else to do, so it runs there; a thread hop costs more CPU than the call
+        self._inline_redis = local and self.producer_cfg.concurrency == 1
 
     async def _worker(self) -> None:
         while not self.stop.is_set():
@@ -364,6 +368,8 @@ class Producer:
             log.error("could not hand back ticket %d: %s", ticket, e)
 
     async def _redis(self, fn, *args, **kwargs):
+        if self._inline_redis:
+            return fn(*args, **kwargs)
         return await blocking(fn, *args, limiter=self._redis_limiter, **kwargs)
 
     # ------------------------------------------------------------ weights and metrics
