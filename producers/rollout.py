@@ -37,7 +37,7 @@ import numpy as np
 
 from producers.rewards import score
 from schemas import Sample, Span
-from schemas.events import LOGPROB_DTYPE, TOKEN_DTYPE
+from schemas.events import LOGPROB_DTYPE
 from schemas.metric_names import EPISODE_DROP_REASONS
 from streamer.errors import EpisodeRejected, SamplerError
 from streamer.imports import load_function
@@ -175,15 +175,14 @@ def to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int = 0) -> Sam
     if not isinstance(episode.reward, (int, float)) or not math.isfinite(episode.reward):
         raise EpisodeRejected("bad_reward", f"reward {episode.reward!r} is not a finite number")
     single = len(spans) == 1 and spans[0].start == 0 and spans[0].end == len(logprobs)
-    # packed from the arrays checked above (Sample.build would convert every list again)
-    return Sample(
-        tokens=memoryview(ids.astype(TOKEN_DTYPE).tobytes()),
-        logprobs=memoryview(lps.tobytes()),
-        prompt_len=len(segs[0].tokens),
+    return Sample.build(
+        prompt_ids=segs[0].tokens,
+        completion_ids=tokens[len(segs[0].tokens) :],
+        logprobs=lps,  # float32 already: packed as checked
         reward=float(episode.reward),
         finish_reason=episode.finish_reason if episode.finish_reason in ("stop", "length") else "stop",
         version=min(s.version for s in spans),
-        mask=None if single and all(mask) else memoryview(np.asarray(mask, np.uint8).tobytes()),
+        mask=None if single and all(mask) else mask,
         spans=None if single else spans,
     )
 
