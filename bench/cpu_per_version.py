@@ -151,6 +151,35 @@ def bare_side(steps: int, config: Path | None) -> dict:
     }
 
 
+def bare_samples(task, sampler, p, row: dict, *, seed: int, version: int) -> list:
+    """One group of the bare loop: render, sample G completions, score and pack each
+    (``p``: the producer section of the config)."""
+    from producers.rewards import score
+    from schemas import Sample
+
+    prompt = task.renderer.render(row)
+    comps = sampler.sample(
+        prompt,
+        n=p.group_size,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        max_new_tokens=p.max_new_tokens,
+        seed=seed,
+    )
+    return [
+        Sample.build(
+            prompt_ids=prompt,
+            completion_ids=c.token_ids,
+            logprobs=c.logprobs,
+            reward=score(task.reward_fn, row, task.renderer.decode(c.token_ids), c),
+            finish_reason=c.finish_reason,
+            version=version,
+        )
+        for c in comps
+        if c.token_ids
+    ]
+
+
 def bare_child(steps: int, config: str | None) -> int:
     """The bare loop: sample with the model being trained, filter, collate, step."""
     import torch
@@ -161,7 +190,7 @@ def bare_child(steps: int, config: str | None) -> int:
     from consumers.trainer import _quiet_transformers
     from producers.components import build, load_task
     from producers.rewards import score
-    from schemas import Sample, TrajectoryGroup
+    from schemas import TrajectoryGroup
     from streamer.config import load_config, replace
 
     _quiet_transformers()
@@ -192,28 +221,8 @@ def bare_child(steps: int, config: str | None) -> int:
             break
         groups = []
         while len(groups) < tc.groups_per_step:
-            row = rng.choice(task.rows)
-            prompt, seed = task.renderer.render(row), seed + 1
-            comps = sampler.sample(
-                prompt,
-                n=p.group_size,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                max_new_tokens=p.max_new_tokens,
-                seed=seed,
-            )
-            samples = [
-                Sample.build(
-                    prompt_ids=prompt,
-                    completion_ids=c.token_ids,
-                    logprobs=c.logprobs,
-                    reward=score(task.reward_fn, row, task.renderer.decode(c.token_ids), c),
-                    finish_reason=c.finish_reason,
-                    version=version,
-                )
-                for c in comps
-                if c.token_ids
-            ]
+            seed += 1
+            samples = bare_samples(task, sampler, p, rng.choice(task.rows), seed=seed, version=version)
             group = TrajectoryGroup(
                 group_id=str(seed),
                 row=0,

@@ -9,8 +9,9 @@ Four sides, alternated round by round so that load from elsewhere hits all of th
                       open (no trainer), the trainer's group on the stream as in a run
     producer canned   the same loop with a sampler that returns canned completions: what
                       the loop costs around the engine call
-    bare              what the bare loop of bench/cpu_per_version.py does per group: render,
-                      one ``LocalSampler.sample`` of G completions, score each, Sample.build
+    bare              what the bare loop of bench/cpu_per_version.py does per group (its
+                      ``bare_samples``): render, one ``LocalSampler.sample`` of G
+                      completions, score and pack each
     bare canned       the same with the canned sampler
 
 No trainer runs, so no side loads weights (in a run each producer loads every version:
@@ -36,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as C
+from cpu_per_version import bare_samples
 
 SIDES = ("producer", "producer canned", "bare", "bare canned")
 
@@ -75,30 +77,9 @@ def producer_side(cfg, client, task, sampler, groups: int) -> None:
 
 
 def bare_side(cfg, task, sampler, groups: int, seed: int) -> None:
-    from producers.rewards import score
-    from schemas import Sample
-
-    p, rng = cfg.producer, random.Random(seed)
+    rng = random.Random(seed)
     for i in range(groups):
-        row = rng.choice(task.rows)
-        prompt = task.renderer.render(row)
-        comps = sampler.sample(
-            prompt,
-            n=p.group_size,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            max_new_tokens=p.max_new_tokens,
-            seed=seed + i,
-        )
-        for c in comps:
-            Sample.build(
-                prompt_ids=prompt,
-                completion_ids=c.token_ids,
-                logprobs=c.logprobs,
-                reward=score(task.reward_fn, row, task.renderer.decode(c.token_ids), c),
-                finish_reason=c.finish_reason,
-                version=0,
-            )
+        bare_samples(task, sampler, cfg.producer, rng.choice(task.rows), seed=seed + i, version=0)
 
 
 def main(argv: list[str] | None = None) -> int:
