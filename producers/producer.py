@@ -98,7 +98,7 @@ class Producer:
         self.pending = Pending()
         self.held: set[int] = set()  # tickets being worked on (renewed by the heartbeat)
         self.published = 0
-        self._counting = threading.Lock()  # publishes finish in worker threads
+        self._counting = threading.Lock()  # publishes may finish in worker threads
         self.in_flight = 0  # rows between claim and publish/drop/hand-back
         self._failures = 0
         self._gate: WeightGate | None = None
@@ -319,8 +319,9 @@ class Producer:
         return [[dataclasses.replace(c, version=version) for c in cs] for cs in out]
 
     async def _publish(self, ticket: int, group: TrajectoryGroup, *, failures, timings, extra) -> str:
-        """Room in the stream, the publish script, replicas, the metrics event: one worker
-        thread for them all (a thread hop costs more CPU than the round trips it carries)."""
+        """Room in the stream, the publish script, replicas, the metrics event: one
+        :meth:`_redis` call for them all (a thread hop costs more CPU than the round trips
+        it carries)."""
 
         def publish() -> str:
             waited = self.publisher.wait_for_room(self.stop.is_set)
