@@ -16,8 +16,8 @@ backward passes under ``torch.autocast`` in the compute dtype:
 A step whose gradient is not finite (after unscaling) is skipped, not applied: the
 weights and the optimizer state stay as they were and the skip is counted (with float16
 the loss scale is also lowered, which is how the scaler finds its range). ``model.dtype``
-still sets the dtype samplers and the evaluator load; the published weights are the
-float32 master weights (cast when loaded).
+still sets the dtype samplers and the evaluator load, and each published version is
+written in it (the float32 master weights cast, consumers/versions.py).
 """
 
 from __future__ import annotations

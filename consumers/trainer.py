@@ -97,6 +97,9 @@ class Trainer:
             keep_versions=self.trainer_cfg.keep_versions,
             protect=lambda: self.checkpointed_version,
             bus=cfg.bus,
+            # in the dtype samplers load (float32 master weights, half-precision samplers)
+            dtype=None if cfg.model.dtype == "float32" else getattr(torch, cfg.model.dtype),
+            untie=cfg.producer.untied_versions,
         )
 
     @property

@@ -61,8 +61,11 @@ class VersionPublisher:
         keep_versions: int,
         protect: Callable[[], int],
         bus: BusSection | None = None,
+        dtype=None,
+        untie: bool = False,
     ):
         self.client, self.keys, self.root = client, keys, Path(root)
+        self.dtype, self.untie = dtype, untie  # written as the samplers load them (weights.save)
         self.bus = bus or BusSection()
         self.keep_versions, self.protect = keep_versions, protect
         self.last_seconds = 0.0  # write + publish time of the newest published version
@@ -129,7 +132,13 @@ class VersionPublisher:
 
     def _write_and_announce(self, model, version: int, step: int) -> None:
         start = time.monotonic()
-        uri, sha = weights.write_version(model, self.root, version)
+        if bad := weights.first_non_finite(model.state_dict()):  # samplers would only sample garbage
+            raise StreamerError(
+                f"step {step} produced non-finite weights (tensor {bad!r} holds inf or NaN); version "
+                f"{version} is not published. Lower trainer.lr or check the data, then resume from the "
+                "last checkpoint"
+            )
+        uri, sha = weights.write_version(model, self.root, version, dtype=self.dtype, untie=self.untie)
         sync = WeightSync(version=version, step=step, uri=uri, sha256=sha)
 
         payload = encode(sync)

@@ -68,6 +68,7 @@ def build(cfg: RunConfig):
             torch.set_num_threads(p.torch_threads)
         sampler, stops = local_sampler(cfg, tokenizer)
         return load_task(cfg, **common, extra_stop_ids=stops), sampler
+    from producers import engines
     from producers.remote_sampler import RemoteSampler
 
     task = load_task(cfg, **common)
@@ -78,7 +79,6 @@ def build(cfg: RunConfig):
         timeout=p.remote_timeout,
         retries=p.remote_retries,
         concurrency=p.remote_concurrency,
-        reload_endpoint=p.reload_endpoint,
-        lora_endpoint=p.lora_endpoint,
+        engine=engines.profile(p.engine, reload_endpoint=p.reload_endpoint, lora_endpoint=p.lora_endpoint),
     )
     return task, sampler

@@ -50,7 +50,12 @@ class Evaluator:
         self.rows = task.rows[: self.eval_cfg.max_rows] if self.eval_cfg.max_rows else task.rows
         self.prompts = [_render(task, row, i) for i, row in enumerate(self.rows)]
         self.follower = WeightFollower(
-            client, self.keys, weights_dir=cfg.weights_dir, sampler=sampler, verify=cfg.weights.verify
+            client,
+            self.keys,
+            weights_dir=cfg.weights_dir,
+            sampler=sampler,
+            verify=cfg.weights.verify,
+            who="evaluator",
         )
         self.publisher = Publisher(client, self.keys, cfg.bus)
         self.evaluated: list[int] = []  # versions evaluated, in order

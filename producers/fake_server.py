@@ -3,7 +3,8 @@
 It speaks the subset of vLLM's ``/v1/completions`` the remote sampler uses: token-id
 ``prompt``, ``n``, ``logprobs``, ``return_token_ids`` (answered in ``choices[i].token_ids``)
 and ``return_tokens_as_token_ids`` (``"token_id:{id}"`` strings in
-``choices[i].logprobs.tokens``), plus SGLang's ``/update_weights_from_disk`` and vLLM's
+``choices[i].logprobs.tokens``), plus the reload calls of both engine profiles (SGLang's ``/update_weights_from_disk``,
+vLLM's ``/collective_rpc`` ``reload_weights`` + ``/reset_prefix_cache``) and vLLM's
 ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (recorded in ``adapters``). What it
 generates comes from a ``backend(body) -> list[Completion]``: a real local sampler, or a
 canned answer after a fixed latency (the test double for a remote inference server).
@@ -71,7 +72,8 @@ class FakeCompletionsServer:
         self.started = threading.Event()  # set when a completions request arrives
         self.requests = 0
         self.in_flight = self.max_in_flight = 0
-        self.reloads: list[str] = []
+        self.reloads: list[str] = []  # weights directories loaded (either engine's reload call)
+        self.cache_resets = 0
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         self.bodies: list[dict] = []
         self._fail: list[int] = []
@@ -185,6 +187,12 @@ def _handler(server: FakeCompletionsServer):
             if self.path == "/update_weights_from_disk":
                 server.reloads.append(body.get("model_path", ""))
                 return self.send_json(200, {"success": True, "message": "loaded"})
+            if self.path == "/collective_rpc" and body.get("method") == "reload_weights":
+                server.reloads.append(body.get("kwargs", {}).get("weights_path", ""))
+                return self.send_json(200, {"results": [None]})
+            if self.path == "/reset_prefix_cache":
+                server.cache_resets += 1
+                return self.send_json(200, {"success": True})
             return self.send_json(404, {"object": "error", "message": f"no route {self.path}", "code": 404})
 
     return Handler

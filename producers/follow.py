@@ -5,9 +5,18 @@ asks :meth:`WeightFollower.update` to load it if it is newer than what the sampl
 the uri must lie inside ``weights_dir`` and the sha256 must match
 (:func:`streamer.weights.resolve`: by the trainer's manifest, or every byte re-hashed with
 ``weights.verify = "full"``), then the sampler loads it (in place for a local
-model; a reload request for a server). A version that cannot be loaded is logged,
-counted and skipped for good; sampling continues with the weights the sampler has, and
-the samples keep that older version stamp.
+model; a reload request for a server). Floating tensors are cast to the sampler's
+dtype; a tensor holding inf or NaN is refused before anything is copied.
+
+A version that cannot be loaded is logged, counted and reported (streamer/problems.py);
+it is tried again after a short backoff, or a newer version instead. Meanwhile sampling
+continues with the weights the sampler has, and the samples keep that older version
+stamp (the trainer's staleness window decides whether they still train). After
+:data:`MAX_LOAD_FAILURES` failed loads in a row the follower raises
+:class:`~streamer.errors.WeightsError` naming the file and the reason: a process that
+cannot follow the policy stops rather than sample a version that only gets older. An
+engine that cannot be reached while reloading is an outage (the caller waits it out),
+not a failed load.
 
 No WeightSync yet means version 0: the initial weights built from the model config.
 """
@@ -22,38 +31,58 @@ import redis
 
 from producers.reload import SharedReload
 from schemas import WeightSync
-from streamer import weights
+from streamer import problems, weights
 from streamer.bus import Tail
-from streamer.errors import StreamerError
+from streamer.errors import SamplerError, StreamerError, WeightsError
 from streamer.keys import Keys
 
 log = logging.getLogger(__name__)
 
+MAX_LOAD_FAILURES = 3  # failed loads in a row (any versions) before the process gives up
+RETRY_SECONDS = 1.0  # backoff before a failed version is tried again (doubled each time)
+
 
 class WeightFollower:
     def __init__(
-        self, client: redis.Redis, keys: Keys, *, weights_dir: Path, sampler, verify: str = "manifest"
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        weights_dir: Path,
+        sampler,
+        verify: str = "manifest",
+        who: str = "",
     ):
+        self.client, self.keys, self.who = client, keys, who  # who: the role, in status's problems
         self.tail = Tail(client, keys.policy, as_type=WeightSync)
         self.verify = verify  # weights.resolve: "manifest" (same filesystem) or "full" re-hash
         self.weights_dir, self.sampler = Path(weights_dir), sampler
         self.version = 0  # policy version of the weights the sampler holds
-        self.failed: set[int] = set()  # versions that could not be loaded (not retried)
+        self.failures = 0  # failed loads since the last good one
+        self.failed_version: int | None = None  # the last version that failed, retried at retry_at
+        self.retry_at = 0.0  # time.monotonic()
         self.loads = self.errors = 0  # totals, for counters
         self.last_load_seconds: float | None = None
         # producers sharing one inference server reload it once per version, in order
         url = getattr(sampler, "base_url", None)
         self.shared = SharedReload(client, keys, url, lock_seconds=sampler.reload_deadline()) if url else None
 
-    def update(self) -> bool:
-        """Load the newest version if it is newer than ours; True when weights changed."""
-        sync = self.tail.latest()
-        if sync is None or sync.version <= self.version or sync.version in self.failed:
+    def due(self, sync: WeightSync | None) -> bool:
+        """Whether ``sync`` is newer than ours and not waiting out a failed load's backoff."""
+        if sync is None or sync.version <= self.version:
             return False
-        return self.load(sync)
+        return sync.version != self.failed_version or time.monotonic() >= self.retry_at
+
+    def update(self) -> bool:
+        """Load the newest version if it is due; True when weights changed."""
+        sync = self.tail.latest()
+        return self.load(sync) if self.due(sync) else False
 
     def load(self, sync: WeightSync) -> bool:
-        """Load ``sync`` now; False (logged, counted) when it cannot be loaded."""
+        """Load ``sync`` now; False (logged, counted, reported) when it cannot be loaded.
+
+        Raises WeightsError after MAX_LOAD_FAILURES failed loads in a row, and SamplerError
+        when the engine cannot be reached (an outage, not the version's fault)."""
         start = time.monotonic()
         try:
             path = weights.resolve(sync, self.weights_dir, verify=self.verify)
@@ -66,13 +95,33 @@ class WeightFollower:
                 adopt = getattr(self.sampler, "adopt", None)
                 if self.shared.reloads == reloads and adopt is not None:  # another producer loaded it
                     adopt(weights.version_dir(self.weights_dir, version))
+        except SamplerError as e:
+            if not e.refused:
+                raise  # the engine is unreachable: an outage, waited out by the caller
+            self._failed(sync, e)
+            return False
         except (StreamerError, OSError, RuntimeError, ValueError, KeyError) as e:
-            self.failed.add(sync.version)
-            self.errors += 1
-            log.error("cannot load policy version %d (%s); keeping version %d", sync.version, e, self.version)
+            self._failed(sync, e)
             return False
         self.last_load_seconds = time.monotonic() - start
         self.loads += 1
         log.info("loaded policy version %d in %.2fs", version, self.last_load_seconds)
         self.version = version
+        if self.failures and self.who:
+            problems.clear(self.client, self.keys, self.who)
+        self.failures, self.failed_version = 0, None
         return True
+
+    def _failed(self, sync: WeightSync, e: BaseException) -> None:
+        self.errors += 1
+        self.failures += 1
+        what = f"cannot load policy version {sync.version} from {sync.uri}: {e}"
+        if self.who:
+            problems.report(self.client, self.keys, self.who, what)
+        if self.failures >= MAX_LOAD_FAILURES:
+            raise WeightsError(
+                f"{what}; gave up after {self.failures} failed loads in a row (still on version {self.version})"
+            ) from e
+        delay = RETRY_SECONDS * 2 ** (self.failures - 1)
+        self.failed_version, self.retry_at = sync.version, time.monotonic() + delay
+        log.error("%s; keeping version %d, trying again in %.0fs", what, self.version, delay)

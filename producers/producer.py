@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -39,13 +40,13 @@ from producers.inflight import WeightGate, blocking, retrying
 from producers.samplers import SamplerError
 from producers.stats import Pending, Timings, episode_values, group_values
 from schemas import MetricsEvent, TrajectoryGroup, encode
-from streamer import lifecycle
+from streamer import lifecycle, problems
 from streamer.admission import EXHAUSTED, WAIT, Admission, LeaseLost, Leases
 from streamer.batching import MicroBatcher
 from streamer.bus import Publisher, unacked
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect, replicated
-from streamer.errors import StreamerError
+from streamer.errors import StreamerError, WeightsError
 from streamer.keys import Keys
 from streamer.rollout_types import DEFAULT_ROLLOUT, Completion, Episode, RolloutContext, Task
 from streamer.trajectory import PrefixMismatch
@@ -54,7 +55,8 @@ from streamer.values import parse_int
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 2.0  # well under the 5 s others treat as alive
-MAX_SAMPLER_FAILURES = 10  # consecutive failed groups before the producer gives up
+MAX_SAMPLER_FAILURES = 10  # rows in a row refused by the engine before the producer gives up
+SYSTEMIC_STREAK = 3  # rows in a row failing the same way: the engine's or the weights' fault
 
 
 class Producer:
@@ -92,7 +94,12 @@ class Producer:
         )
         self.publisher = Publisher(client, self.keys, cfg.bus)
         self.follower = WeightFollower(
-            client, self.keys, weights_dir=cfg.weights_dir, sampler=sampler, verify=cfg.weights.verify
+            client,
+            self.keys,
+            weights_dir=cfg.weights_dir,
+            sampler=sampler,
+            verify=cfg.weights.verify,
+            who=f"producer {producer_id}",
         )
         self.vocab_size = _vocab_size(task, sampler)
         self.pending = Pending()
@@ -101,6 +108,8 @@ class Producer:
         self._counting = threading.Lock()  # publishes may finish in worker threads
         self.in_flight = 0  # rows between claim and publish/drop/hand-back
         self._failures = 0
+        self._streak: list[tuple[str, int]] = []  # (failure, row) of the rollouts failed in a row
+        self._who, self._problem = f"producer {producer_id}", False  # in status's problems
         self._gate: WeightGate | None = None
         self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.producer_cfg.lease_seconds / 3))
 
@@ -192,7 +201,9 @@ class Producer:
                 return await self._sampler_failed(e)
             except BaseException as e:
                 # the row's own failure counts towards skipping it; a server outage does not
-                own = isinstance(e, Exception) and not isinstance(e, redis.exceptions.RedisError)
+                own = isinstance(e, Exception) and not isinstance(
+                    e, redis.exceptions.RedisError | WeightsError
+                )
                 self._hand_back(ticket, error=f"{type(e).__name__}: {e}" if own else "")
                 raise
             finally:
@@ -201,6 +212,11 @@ class Producer:
             self.in_flight -= 1
         if outcome != "failed":
             self._failures = 0
+        if outcome == "published":
+            self._streak.clear()
+        if outcome == "published" and self._problem:
+            self._problem = False
+            await self._redis(problems.clear, self.client, self.keys, self._who)
         return outcome
 
     async def _work(self, ticket: int) -> str:
@@ -262,7 +278,7 @@ class Producer:
                 return list(await self.rollout(row, ctx))
         except Exception as e:  # user code: anything it raises drops the rollout, not the producer
             leaf = _first_leaf(e)
-            if isinstance(leaf, (SamplerError, *TRANSIENT)):  # the engine's or the server's, not the row's
+            if isinstance(leaf, (SamplerError, WeightsError, *TRANSIENT)):  # the engine's or the server's
                 raise leaf from e
             if isinstance(leaf, TimeoutError):
                 reason, why = "timeout", f"timed out after {self.producer_cfg.rollout_timeout:.1f}s"
@@ -275,11 +291,29 @@ class Producer:
             if isinstance(leaf, PrefixMismatch):
                 self.pending.add("prefix_mismatches")
         self.pending.add(f"episodes_dropped_{reason}", self.producer_cfg.group_size)
+        if self._systemic(why, pos.row):  # not the row's fault: no attempt counted
+            what = f"every row fails the same way ({len(self._streak)} rows in a row): rollout {why}"
+            log.error("%s; not counted against the rows (engine or weights?), backing off", what)
+            self._hand_back(ticket)
+            problems.report(self.client, self.keys, self._who, what)
+            self._problem = True
+            await self._backoff(min(30.0, 0.5 * 2 ** (len(self._streak) - SYSTEMIC_STREAK)))
+            return None
         # counted on the server per row (streamer/admission.py): after producer.max_row_attempts
         # failed attempts, by any producer, the next claim skips the row with this reason
         log.error("%s: rollout %s %s; row handed back", where, self.rollout_path, why)
         self._hand_back(ticket, error=f"rollout {why}")
         return None
+
+    def _systemic(self, why: str, row: int) -> bool:
+        """Whether the last SYSTEMIC_STREAK failed rollouts, on as many different rows, failed
+        the same way (numbers aside): a failure every row shares is not the rows' fault."""
+        self._streak = [*self._streak[-20:], (re.sub(r"\d+", "#", why)[:200], row)]
+        recent = self._streak[-SYSTEMIC_STREAK:]
+        same = len({w for w, _ in recent}) == 1 and len({r for _, r in recent}) == len(recent)
+        if not same:
+            self._streak = recent[-1:]
+        return same and len(recent) == SYSTEMIC_STREAK
 
     def _check(self, episodes: list, pos) -> list[tuple]:
         """(Sample, Episode) of every episode that passes :func:`producers.rollout.to_sample`."""
@@ -353,14 +387,25 @@ class Producer:
         return "dropped"
 
     async def _sampler_failed(self, e: SamplerError) -> str:
+        """Back off after a failed engine call. An engine that cannot be reached (or answers
+        5xx) is an outage, waited out for as long as it lasts and named in `status`; one that
+        refuses request after request (4xx) is not going to serve this producer: it stops."""
         self._failures += 1
-        log.error("sampling failed (%d in a row): %s; row handed back", self._failures, e)
-        if self._failures >= MAX_SAMPLER_FAILURES:
-            raise SamplerError(f"{self._failures} groups in a row failed to sample; last: {e}")
-        with anyio.move_on_after(min(30.0, 0.5 * 2**self._failures)):
+        if e.refused:
+            log.error("the engine refused a request (%d in a row): %s; row handed back", self._failures, e)
+            if self._failures >= MAX_SAMPLER_FAILURES:
+                raise SamplerError(f"{self._failures} rows in a row were refused by the engine; last: {e}")
+        else:
+            log.error("engine unreachable (%d tries): %s; row handed back, waiting", self._failures, e)
+            problems.report(self.client, self.keys, self._who, f"engine down: {e}")
+            self._problem = True
+        await self._backoff(min(30.0, 0.5 * 2**self._failures))
+        return "error"
+
+    async def _backoff(self, seconds: float) -> None:
+        with anyio.move_on_after(seconds):
             while not self.stop.is_set():
                 await anyio.sleep(0.05)
-        return "error"
 
     def _hand_back(self, ticket: int, error: str = "") -> None:
         try:
@@ -379,10 +424,10 @@ class Producer:
         """Load a newer version, once no engine call is in flight (see WeightGate)."""
         sync = await self._redis(self.follower.tail.latest)
         f = self.follower
-        if sync is None or sync.version <= f.version or sync.version in f.failed:
+        if not f.due(sync):
             return
         async with self._gate.writing():
-            if sync.version <= f.version or sync.version in f.failed:
+            if not f.due(sync):
                 return  # another worker loaded it while we waited
             errors = f.errors
             if await blocking(f.load, sync):

@@ -16,13 +16,12 @@ first stop id like the local sampler's.
 
 Timeouts per request, bounded retries with exponential backoff and jitter on transport
 errors, 429 and 5xx; other 4xx fail at once. At most ``concurrency`` requests are in
-flight from one sampler. New weights: ``POST {base_url}{reload_endpoint}`` with
-``{"model_path": directory}`` (SGLang's ``/update_weights_from_disk``); the server must
-see the same filesystem path. A LoRA adapter version (streamer/lora.py) is instead loaded
-as a named adapter: ``POST {base_url}{lora_endpoint}`` with ``{"lora_name": "streamer-v…",
-"lora_path": directory}`` (vLLM, started with ``--enable-lora`` and
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; SGLang's ``/load_lora_adapter``), and later
-requests name that adapter as their ``model``; adapters two versions old are unloaded.
+flight from one sampler. New weights reach the server through its engine profile
+(:mod:`producers.engines`: vLLM's ``/collective_rpc`` reload, SGLang's
+``/update_weights_from_disk``); the server must see the same filesystem path. A LoRA
+adapter version (streamer/lora.py) is instead loaded as a named adapter
+(``{"lora_name": "streamer-v…", "lora_path": directory}``), and later requests name that
+adapter as their ``model``; adapters two versions old are unloaded.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from producers.engines import Engine, Vllm
 from producers.samplers import Completion, SamplerError, cut_at_stop
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,7 @@ class RemoteSampler:
         timeout: float = 120.0,
         retries: int = 3,
         concurrency: int = 8,
-        reload_endpoint: str = "/update_weights_from_disk",
-        lora_endpoint: str = "/v1/load_lora_adapter",
+        engine: Engine | None = None,
         backoff: float = 0.5,
         max_backoff: float = 10.0,
     ):
@@ -62,7 +61,7 @@ class RemoteSampler:
         self.model, self.stop_ids = model, list(stop_ids)
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.timeout = timeout
-        self.reload_endpoint, self.lora_endpoint = reload_endpoint, lora_endpoint
+        self.engine = engine or Vllm()
         self.adapters: list[str] = []  # loaded LoRA adapter names, oldest first
         self.max_parallel = concurrency  # engine calls a producer may have in flight at once
         self._slots = threading.BoundedSemaphore(concurrency)
@@ -94,9 +93,7 @@ class RemoteSampler:
 
         if lora.is_adapter(directory):
             return self._load_adapter(Path(directory))
-        data = self._post(self.reload_endpoint, {"model_path": str(directory)})
-        if isinstance(data, dict) and data.get("success") is False:
-            raise SamplerError(f"server refused to load {directory}: {data.get('message', data)}")
+        self.engine.reload(self._post, Path(directory))
 
     def adopt(self, directory: Path) -> None:
         """Another producer loaded ``directory`` into this shared server: sample with it too.
@@ -115,14 +112,15 @@ class RemoteSampler:
 
     def _load_adapter(self, directory: Path) -> None:
         name = f"streamer-{directory.name}"
-        self._post(self.lora_endpoint, {"lora_name": name, "lora_path": str(directory)}, as_json=False)
+        if not self.engine.lora_load:
+            raise SamplerError(f"engine {self.engine.name!r} cannot load LoRA adapters", refused=True)
+        self._post(self.engine.lora_load, {"lora_name": name, "lora_path": str(directory)}, as_json=False)
         self.model = name  # requests in flight keep the previous adapter, which stays loaded
         self.adapters.append(name)
-        unload = self.lora_endpoint.replace("load_lora_adapter", "unload_lora_adapter")
-        while len(self.adapters) > 2 and unload != self.lora_endpoint:
+        while len(self.adapters) > 2 and self.engine.lora_unload:
             old = self.adapters.pop(0)
             try:
-                self._post(unload, {"lora_name": old}, as_json=False)
+                self._post(self.engine.lora_unload, {"lora_name": old}, as_json=False)
             except SamplerError as e:  # a leftover adapter costs server memory, not correctness
                 log.warning("could not unload LoRA adapter %s: %s", old, e)
 

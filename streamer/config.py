@@ -100,9 +100,14 @@ class ProducerSection(_Section):
     remote_timeout: PosFloat = 120.0  # per HTTP request
     remote_retries: NonNegInt = 3  # bounded retries with backoff
     remote_concurrency: PosInt = 8  # in-flight requests per producer
-    reload_endpoint: str = "/update_weights_from_disk"  # POSTed on new weights (SGLang)
-    lora_endpoint: str = "/v1/load_lora_adapter"  # POSTed on a new LoRA adapter version (vLLM, SGLang)
-    remote_logprobs: Literal["raw", "processed"] = "raw"  # what the server reports: see below
+    engine: Literal["vllm", "sglang", "openai"] = (
+        "vllm"  # the remote server: how new versions reach it (docs/ENGINES.md)
+    )
+    reload_endpoint: str = ""  # "" = the engine's reload; else POST {"model_path": dir} here (SGLang's shape)
+    lora_endpoint: str = ""  # "" = the engine's LoRA endpoint; else POST {"lora_name", "lora_path"} here
+    remote_logprobs: Literal["", "raw", "processed"] = (
+        ""  # what the server reports; "" = the engine's default
+    )
     reward: str = ""  # "module:function" (row, text, sample) -> float; "" = demo reward / exact_match
     lease_seconds: PosFloat = 60.0  # row lease; renewed while working, expired rows are re-issued
     epochs: NonNegInt = 0  # stop after this many passes over the dataset; 0 = forever
@@ -122,13 +127,25 @@ class ProducerSection(_Section):
         if self.sampler == "remote" and not self.remote_url:
             raise ValueError('`remote_url` is required when `sampler` is "remote"')
         transformed = self.temperature not in (0.0, 1.0) or self.top_p < 1
-        if self.sampler == "remote" and self.remote_logprobs == "raw" and transformed:
+        if self.sampler == "remote" and self.logprobs_mode == "raw" and transformed:
             raise ValueError(
-                '`remote_logprobs` is "raw" (vLLM\'s default: log-probs before temperature and top-p) '
+                f'`remote_logprobs` is "raw" ({self.engine}\'s default: log-probs before temperature and top-p) '
                 f"but temperature = {self.temperature}, top_p = {self.top_p}: the trainer's importance "
                 "weights would mix the sampling transform into staleness. Start vLLM with "
                 '`--logprobs-mode processed_logprobs` and set remote_logprobs = "processed"'
             )
+
+    @property
+    def logprobs_mode(self) -> str:
+        """What the remote server's log-probs are: ``remote_logprobs``, or the engine's default
+        (vLLM: raw logits' log-softmax; SGLang: the distribution it sampled from)."""
+        return self.remote_logprobs or ("processed" if self.engine == "sglang" else "raw")
+
+    @property
+    def untied_versions(self) -> bool:
+        """Versions are written with ``lm_head`` stored and the config untied: vLLM's reload
+        leaves a tied head at its start-up weights."""
+        return self.sampler == "remote" and self.engine == "vllm"
 
 
 class DapoSection(_Section):
@@ -264,6 +281,9 @@ class RunConfig(_Section):
     archive: ArchiveSection = msgspec.field(default_factory=ArchiveSection)
 
     def __post_init__(self) -> None:
+        if bad := _non_finite(self):  # inf passes `gt=0`; an lr of inf publishes NaN weights
+            key, value = bad
+            raise ValueError(f"key `{key}`: must be a finite number, got {value}")
         builtin = self.trainer.advantage in ADVANTAGE_NAMES
         if builtin and self.producer.group_size < 2:
             raise ValueError(  # every group would be rejected as zero-variance, silently
@@ -303,6 +323,18 @@ class RunConfig(_Section):
                 f"`run.redis_url` is empty: set it, pass --redis-url or ${URL_ENV}, or use `streamer up`"
             )
         return self.run.redis_url
+
+
+def _non_finite(section: msgspec.Struct, prefix: str = "") -> tuple[str, float] | None:
+    """The first float setting (dotted key, value) that is inf or NaN, in any section."""
+    for name in section.__struct_fields__:
+        value = getattr(section, name)
+        if isinstance(value, msgspec.Struct):
+            if found := _non_finite(value, f"{prefix}{name}."):
+                return found
+        elif isinstance(value, float) and not math.isfinite(value):
+            return f"{prefix}{name}", value
+    return None
 
 
 def load_config(path: str | Path | None) -> RunConfig:

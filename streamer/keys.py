@@ -111,6 +111,12 @@ class Keys:
     def producers(self) -> str:
         return self._k("producers")  # ZSET producer id -> last heartbeat (unix seconds)
 
+    @property
+    def problems(self) -> str:
+        return self._k(
+            "problems"
+        )  # HASH role -> JSON {at, what}: what it cannot do now (streamer/problems.py)
+
     # one shared inference server (producers that share `producer.remote_url`)
     def served(self, server: str) -> str:
         return self._k(f"served:{server}")  # INT: the newest version the server confirmed loading

@@ -22,6 +22,7 @@ import msgspec
 import redis
 
 from schemas import DeadLetter, DecodeError, WeightSync
+from streamer import problems
 from streamer.admission import admission_limit
 from streamer.bus import as_str, entry_event, group_lag
 from streamer.config import RunConfig
@@ -107,6 +108,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     trainer_state: str = ""  # "running" / "stopped" as the trainer wrote it; "" unknown
     skipped_rows: int = 0  # rows skipped after producer.max_row_attempts failed attempts
     skipped_last: dict[str, str] = {}  # a few of them: ticket -> why
+    problems: dict[str, str] = {}  # role -> what it cannot do, as it reported it (streamer/problems.py)
     data_lost: str = ""  # set when the server lost this run's data (see main)
     stalled: bool = False
     reasons: list[str] = []
@@ -143,11 +145,12 @@ def snapshot(
     pipe.hgetall(keys.run_marker)
     pipe.hlen(keys.skipped_rows)
     pipe.hscan(keys.skipped_rows, count=SHOWN_SKIPPED)
+    pipe.hgetall(keys.problems)
     res = pipe.execute(raise_on_error=False)
     read = [k for key in named.values() for k in (key, key)] + [
         *(keys.policy, keys.producers, keys.producers, keys.producers, keys.dead, keys.admitted),
         *(keys.limits, keys.version, keys.rejected_since_step, keys.run_marker),
-        *(keys.skipped_rows, keys.skipped_rows),
+        *(keys.skipped_rows, keys.skipped_rows, keys.problems),
     ]
     for key, r in zip(read, res):
         if isinstance(r, Exception) and not _missing(r):
@@ -155,9 +158,20 @@ def snapshot(
     streams = [
         _stream(client, name, key, res[2 * i], res[2 * i + 1]) for i, (name, key) in enumerate(named.items())
     ]
-    policy_rows, beats, live, known, dead_rows, admitted, limits, version, rejected, marker, *skipped = res[
-        2 * len(named) :
-    ]
+    (
+        policy_rows,
+        beats,
+        live,
+        known,
+        dead_rows,
+        admitted,
+        limits,
+        version,
+        rejected,
+        marker,
+        *skipped,
+        trouble,
+    ) = res[2 * len(named) :]
     parse_int(version, keys.version, default=0)  # not shown, but a bad one is named here too
     limits = {
         as_str(k): parse_int(v, f"{keys.limits} {as_str(k)}") for k, v in _hash(limits, keys.limits).items()
@@ -195,6 +209,10 @@ def snapshot(
         trainer_state=marker.get("trainer", ""),
         skipped_rows=int(skipped[0] or 0),
         skipped_last={as_str(k): as_str(v) for k, v in list(skipped[1][1].items())[:SHOWN_SKIPPED]},
+        problems={
+            who: f"{p.what} ({_age(max(0.0, now - p.at))} ago)"
+            for who, p in sorted(problems.parse(_hash(trouble, keys.problems)).items())
+        },
     )
     snap.reasons = stall_reasons(snap, stall_seconds=stall_seconds)
     snap.stalled = bool(snap.reasons)
@@ -204,6 +222,7 @@ def snapshot(
 def stall_reasons(snap: Snapshot, *, stall_seconds: float) -> list[str]:
     """Why the run is not progressing (empty: it is, or it is idle by design)."""
     out = [f"the server lost this run's data: {snap.data_lost}"] if snap.data_lost else []
+    out += [f"{who}: {what}" for who, what in snap.problems.items()]  # a role says it cannot work
     since = snap.policy.at if snap.policy else snap.stream("traj").first_entry_at
     if since is None or snap.at - since <= stall_seconds:
         return out
@@ -368,6 +387,9 @@ def render(snap: Snapshot) -> str:
     if snap.skipped_rows:
         lines.append(f"skipped rows {snap.skipped_rows} (each failed producer.max_row_attempts times)")
         lines += _table(("TICKET", "WHY"), [(t, why[:100]) for t, why in snap.skipped_last.items()])
+    if snap.problems:
+        lines.append("problems")
+        lines += _table(("WHO", "WHAT"), [(who, what[:140]) for who, what in snap.problems.items()])
     lines.append(f"dead letters {snap.dead_letters}")
     if snap.dead_last:
         lines += _table(

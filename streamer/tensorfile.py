@@ -126,28 +126,45 @@ def _check(path: Path, name: str, spec, data_bytes: int) -> None:
 def load_into(params: dict[str, torch.Tensor], path: Path) -> set[str]:
     """Copy every tensor of the file into ``params[name]`` in place; the names it held.
 
-    Raises WeightsError (before changing anything) for a name not in ``params`` or a shape
-    or dtype that differs.
+    A floating tensor is cast to the parameter's floating dtype (a float32 file into a
+    bfloat16 model). Raises WeightsError (before changing anything) for a name not in
+    ``params``, a shape that differs, a dtype that cannot be cast (integer against float),
+    or a floating tensor that holds inf or NaN (weights that would only sample garbage).
     """
     head, start = header(path)
     for name, spec in head.items():
         target = params.get(name)
         if target is None:
             raise WeightsError(f"{path}: tensor {name!r} is not a parameter of the model")
-        if list(target.shape) != list(spec["shape"]) or target.dtype != DTYPES[spec["dtype"]]:
+        source = DTYPES[spec["dtype"]]
+        castable = source == target.dtype or (source.is_floating_point and target.dtype.is_floating_point)
+        if list(target.shape) != list(spec["shape"]) or not castable:
             raise WeightsError(
                 f"{path}: tensor {name!r} is {spec['dtype']}{spec['shape']}, the model's "
                 f"{target.dtype}{list(target.shape)}"
             )
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm, torch.no_grad():
-        for name, spec in head.items():
-            begin, end = spec["data_offsets"]
+        spans = [
+            (name, DTYPES[spec["dtype"]], start + spec["data_offsets"][0], start + spec["data_offsets"][1])
+            for name, spec in head.items()
+        ]
+        for name, dtype, begin, end in spans:  # all checked before any is copied
+            if dtype.is_floating_point and end > begin and not _finite(mm, dtype, begin, end):
+                raise WeightsError(f"{path}: tensor {name!r} holds inf or NaN")
+        for name, dtype, begin, end in spans:
             if end > begin:
-                _copy(params[name], mm, DTYPES[spec["dtype"]], start + begin, end - begin)
+                _copy(params[name], mm, dtype, begin, end - begin)
     return set(head)
 
 
+def _view(mm: mmap.mmap, dtype: torch.dtype, offset: int, nbytes: int) -> torch.Tensor:
+    # a view must be gone before the map closes (an exported buffer cannot be unmapped)
+    return torch.frombuffer(mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+
+
+def _finite(mm: mmap.mmap, dtype: torch.dtype, begin: int, end: int) -> bool:
+    return bool(torch.isfinite(_view(mm, dtype, begin, end - begin)).all())
+
+
 def _copy(target: torch.Tensor, mm: mmap.mmap, dtype: torch.dtype, offset: int, nbytes: int) -> None:
-    # the view must be gone before the map closes (an exported buffer cannot be unmapped)
-    src = torch.frombuffer(mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
-    target.copy_(src.view(target.shape))
+    target.copy_(_view(mm, dtype, offset, nbytes).view(target.shape))  # casts float to float

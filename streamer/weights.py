@@ -11,6 +11,7 @@ No pickle: nothing here calls ``torch.load``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -82,9 +83,10 @@ class WeightsCopy:
         self.model.save_pretrained(path, state_dict=self.state, **kwargs)
 
 
-def write_version(model, root: Path, version: int) -> tuple[str, str]:
+def write_version(model, root: Path, version: int, *, dtype=None, untie: bool = False) -> tuple[str, str]:
     """Save ``model`` (a transformers PreTrainedModel, or a :class:`WeightsCopy` of one) as
-    version ``version``; (uri, sha256 of its safetensors).
+    version ``version``; (uri, sha256 of its safetensors). ``dtype``: floating tensors are
+    written in it (the samplers' ``model.dtype``); ``untie``: see :func:`save`.
 
     The bytes are hashed as they are written and the per-file digests go into
     ``manifest.json``; the directory appears under its final name only once complete.
@@ -92,17 +94,20 @@ def write_version(model, root: Path, version: int) -> tuple[str, str]:
     root = Path(root).resolve()
     final = version_dir(root, version)
     with atomic_dir(root, final.name, what=f"policy version {version}") as tmp:
-        files = save(model, tmp)
+        files = save(model, tmp, dtype=dtype, untie=untie)
         (sha,) = [f["sha256"] for n, f in files.items() if n.endswith(".safetensors")]  # = digest()
         _write_manifest(tmp, version, sha, files)
     return final.as_uri(), sha
 
 
-def save(model, directory: Path) -> dict[str, dict]:
+def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str, dict]:
     """model.safetensors (HF layout, tied tensors once) + config files; {file: {sha256, bytes}}.
 
-    A LoRA policy (streamer.lora.AdapterView) is saved in PEFT layout instead: its adapter's
-    megabytes are hashed after writing, not while.
+    ``dtype``: floating tensors are cast to it. ``untie``: a model with tied input and output
+    embeddings is written untied (``lm_head.weight`` stored, ``tie_word_embeddings`` false),
+    for an engine that reloads the head only from its own tensor (vLLM). A LoRA policy
+    (streamer.lora.AdapterView) is saved in PEFT layout instead: its adapter's megabytes are
+    hashed after writing, not while.
     """
     from streamer import lora
 
@@ -113,9 +118,22 @@ def save(model, directory: Path) -> dict[str, dict]:
         return {
             f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size} for f in sorted(directory.iterdir())
         }
-    tensors = _unaliased(state if isinstance(state, dict) else base.state_dict(), tied_keys(base))
+    tied = tied_keys(base)
+    state = state if isinstance(state, dict) else base.state_dict()
+    tensors = _unaliased(state, set() if untie else tied)
+    if untie and tied:  # each tied name its own storage: safetensors refuses aliases
+        tensors = {k: t.clone() if k in tied else t for k, t in tensors.items()}
+    if dtype is not None:
+        tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
     sha, size = tensorfile.write(directory / WEIGHTS_FILE, tensors, {"format": "pt"})
-    base.config.to_json_file(directory / "config.json")
+    config = base.config
+    if untie and tied:
+        config = copy.deepcopy(config)
+        config.tie_word_embeddings = False
+    if dtype is not None:
+        config = copy.deepcopy(config) if config is base.config else config
+        config.dtype = dtype  # transformers 5 (``torch_dtype`` in 4.x reads the same attribute)
+    config.to_json_file(directory / "config.json")
     generation = getattr(base, "generation_config", None)
     if generation is not None and base.can_generate():
         generation.to_json_file(directory / "generation_config.json")
@@ -123,6 +141,16 @@ def save(model, directory: Path) -> dict[str, dict]:
     for f in sorted(directory.glob("*.json")):
         files[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
     return files
+
+
+def first_non_finite(state: dict) -> str | None:
+    """The name of the first floating tensor of ``state`` that holds inf or NaN, or None."""
+    import torch
+
+    for name, t in state.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def _unaliased(state: dict, tied: set[str]) -> dict:

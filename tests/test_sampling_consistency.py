@@ -92,7 +92,7 @@ def test_remote_raw_logprobs_with_a_temperature_are_a_config_error():
         parse_config(base + b"temperature = 0.7\n")
     with pytest.raises(ConfigError, match="producer.remote_logprobs"):
         parse_config(base + b"top_p = 0.9\n")
-    assert parse_config(base + b"temperature = 1.0\n").producer.remote_logprobs == "raw"
+    assert parse_config(base + b"temperature = 1.0\n").producer.logprobs_mode == "raw"
     ok = parse_config(base + b'temperature = 0.7\nremote_logprobs = "processed"\n')
     assert ok.producer.temperature == 0.7
 

@@ -1,0 +1,111 @@
+"""Inference engines as named profiles: how a new policy version reaches each one.
+
+``producer.engine`` picks one; the sampling request (``/v1/completions`` with token ids and
+log-probs, :mod:`producers.remote_sampler`) is the same for all of them. What differs:
+
+============  ===========================================================  ==========================
+engine        full weights (a version directory on a shared filesystem)    LoRA adapter version
+============  ===========================================================  ==========================
+``vllm``      ``POST /collective_rpc {"method": "reload_weights",            ``POST /v1/load_lora_adapter``
+              "kwargs": {"weights_path": dir}}`` (server started with
+              ``VLLM_SERVER_DEV_MODE=1``), then ``POST /reset_prefix_cache``
+              (without it, prompts that fill a KV block reuse KV computed
+              by the old weights)
+``sglang``    ``POST /update_weights_from_disk {"model_path": dir}``        ``POST /load_lora_adapter``
+``openai``    none: a plain OpenAI-compatible server cannot follow           none
+              versions; samples keep the version it started with
+============  ===========================================================  ==========================
+
+``producer.reload_endpoint`` / ``producer.lora_endpoint``, when set, replace the profile's
+call with ``POST {endpoint} {"model_path": dir}`` / the LoRA endpoint (any engine that
+speaks SGLang's shape). vLLM's reload leaves a tied ``lm_head`` at its start-up weights, so
+for ``vllm`` the trainer writes every version untied (``lm_head.weight`` stored, config
+untied): serve vLLM from an untied checkpoint (docs/ENGINES.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from streamer.errors import SamplerError
+
+log = logging.getLogger(__name__)
+
+NAMES = ("vllm", "sglang", "openai")
+
+# (path, body, as_json) -> the server's answer; RemoteSampler._post (retries, errors)
+Post = Callable[..., object]
+
+
+class Engine:
+    """The plain OpenAI-compatible profile: sampling only, no way to load new weights."""
+
+    name = "openai"
+    follows_versions = False  # False: samples stay stamped with the version the server started with
+    lora_load = ""  # endpoint that loads a named adapter; "" = none
+    lora_unload = ""
+
+    def __init__(self, *, reload_endpoint: str = "", lora_endpoint: str = ""):
+        self.reload_endpoint = reload_endpoint
+        if lora_endpoint:
+            self.lora_load = lora_endpoint
+            self.lora_unload = lora_endpoint.replace("load_lora_adapter", "unload_lora_adapter")
+            if self.lora_unload == self.lora_load:
+                self.lora_unload = ""
+        if reload_endpoint:
+            self.follows_versions = True
+
+    def reload(self, post: Post, directory: Path) -> None:
+        """Make the server serve the full weights in ``directory`` (SamplerError if it cannot)."""
+        if not self.reload_endpoint:
+            raise SamplerError(f"engine {self.name!r} cannot load new weights", refused=True)
+        answer = post(self.reload_endpoint, {"model_path": str(directory)})
+        _check_success(answer, directory)
+
+
+class Vllm(Engine):
+    name = "vllm"
+    follows_versions = True
+    lora_load, lora_unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+
+    def reload(self, post: Post, directory: Path) -> None:
+        if self.reload_endpoint:
+            return super().reload(post, directory)
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}
+        answer = post("/collective_rpc", body)
+        _check_success(answer, directory)
+        post("/reset_prefix_cache", {}, as_json=False)  # KV of the old weights must not be reused
+
+
+class Sglang(Engine):
+    name = "sglang"
+    follows_versions = True
+    lora_load, lora_unload = "/load_lora_adapter", "/unload_lora_adapter"
+
+    def __init__(self, *, reload_endpoint: str = "", lora_endpoint: str = ""):
+        super().__init__(
+            reload_endpoint=reload_endpoint or "/update_weights_from_disk", lora_endpoint=lora_endpoint
+        )
+
+
+PROFILES: dict[str, type[Engine]] = {"vllm": Vllm, "sglang": Sglang, "openai": Engine}
+
+
+def profile(name: str, *, reload_endpoint: str = "", lora_endpoint: str = "") -> Engine:
+    """The engine profile ``name`` (one of :data:`NAMES`), with the config's overrides."""
+    try:
+        cls = PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}: one of {', '.join(NAMES)}") from None
+    return cls(reload_endpoint=reload_endpoint, lora_endpoint=lora_endpoint)
+
+
+def _check_success(answer, directory: Path) -> None:
+    """SGLang answers ``{"success": false, "message": ...}``; vLLM's collective_rpc an error status
+    (raised by the caller) or ``{"results": [...]}``."""
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise SamplerError(
+            f"server refused to load {directory}: {answer.get('message', answer)}", refused=True
+        )
