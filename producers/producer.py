@@ -118,6 +118,11 @@ class Producer:
     def run(self) -> int:
         """Produce until done or stopped; 0 on a clean stop."""
         self._heartbeat.start()
+        try:
+            self.wait_for_engine()
+        except BaseException:
+            self._heartbeat.close()
+            raise
         log.info(
             "producer %s: %d rows, G=%d, %d in flight, sampler %s, rollout %s, reward %s",
             self.id,
@@ -138,6 +143,37 @@ class Producer:
             self._heartbeat.close()
             self._flush_metrics()
         return 0
+
+    def wait_for_engine(self, *, log_every: float = 30.0) -> None:
+        """A remote engine: wait until it completes a first request (it may still be starting,
+        or be down), reported as a problem meanwhile; one that answers with an error (a
+        model it refuses) stops the producer here, with the engine's reason, before any row."""
+        probe = getattr(self.sampler, "probe", None)
+        if probe is None:
+            return
+        prompt = self.task.renderer.render(self.task.rows[0]) if self.task.rows else [0]
+        waited, last_log, delay = 0.0, -log_every, 0.5
+        while not self.stop.is_set():
+            try:
+                probe(prompt)
+            except SamplerError as e:
+                if e.refused:
+                    problems.report(self.client, self.keys, self._who, str(e))
+                    raise
+                if waited - last_log >= log_every:
+                    log.warning("waiting for the engine (%.0fs so far): %s", waited, e)
+                    last_log = waited
+                problems.report(self.client, self.keys, self._who, f"engine unreachable: {e}")
+                self._problem = True
+                self.stop.wait(delay)
+                waited += delay
+                delay = min(5.0, delay * 2)
+                continue
+            if self._problem:
+                problems.clear(self.client, self.keys, self._who)
+                self._problem = False
+            log.info("engine %s answers", getattr(self.sampler, "base_url", ""))
+            return
 
     async def _run(self) -> None:
         self._setup()

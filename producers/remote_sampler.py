@@ -88,6 +88,23 @@ class RemoteSampler:
         data = self._post("/v1/completions", body)
         return parse_completions(data, n=n, stop_ids=self.stop_ids)
 
+    def probe(self, prompt_ids: list[int]) -> None:
+        """One short completion, no retries: returns once the engine samples. SamplerError
+        with ``refused`` when it answers with an error (it refuses the model or the request),
+        without when it cannot be reached (not up yet, or down)."""
+        body = {"model": self.model, "prompt": [int(i) for i in prompt_ids], "max_tokens": 1, "logprobs": 1}
+        body["return_token_ids"] = True
+        try:
+            resp = self._http.post("/v1/completions", json=body)
+        except httpx.TransportError as e:
+            raise SamplerError(f"{self.base_url}: {type(e).__name__}: {e}") from None
+        if resp.status_code >= 400:
+            raise SamplerError(
+                f"{self.base_url} ({self.engine.name}) refused a first completion: HTTP {resp.status_code}: "
+                f"{resp.text[:300]}",
+                refused=True,
+            )
+
     def load_weights(self, directory: Path) -> None:
         from streamer import lora
 

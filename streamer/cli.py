@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--until-eval", type=float, metavar="ACC", help="stop once eval accuracy reaches ACC (early stop)"
     )
+    up.add_argument(
+        "--engine",
+        choices=("vllm",),
+        help="sample through an inference server that up starts and stops (its own virtualenv)",
+    )
 
     tr = role("train", "the trainer consumer")
     tr.add_argument("--steps", type=int, help="override trainer.steps")

@@ -102,7 +102,9 @@ def tokenizer():
     return fast
 
 
-def model_config(*, hidden: int = 64, layers: int = 2, heads: int = 4, intermediate: int = 128):
+def model_config(
+    *, hidden: int = 64, layers: int = 2, heads: int = 4, intermediate: int = 128, tie: bool = True
+):
     """A Qwen2 config for the demo vocabulary: ~100k parameters at the defaults."""
     from transformers import Qwen2Config
 
@@ -115,11 +117,32 @@ def model_config(*, hidden: int = 64, layers: int = 2, heads: int = 4, intermedi
         num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
         bos_token_id=None,
     )
+
+
+# the demo model's shape for an engine (vLLM): CPU attention takes head sizes 32, 64, 80, ...
+# only, and vLLM reloads a tied head from nothing (it stays at the start-up weights)
+ENGINE_SIZE = {"hidden": 128, "heads": 2, "intermediate": 256}
+
+
+def save_for_engine(directory, seed: int = 0):
+    """The untrained demo model in the shape every engine accepts (:data:`ENGINE_SIZE`,
+    untied), saved with the tokenizer as an HF directory an engine serves; the directory."""
+    from pathlib import Path
+
+    directory = Path(directory)
+    if (directory / "config.json").exists():
+        return directory
+    model = build_model(seed, **ENGINE_SIZE, tie=False)
+    tmp = directory.with_name(directory.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer().save_pretrained(tmp)
+    tmp.rename(directory)
+    return directory
 
 
 def build_model(seed: int = 0, **size):

@@ -26,7 +26,18 @@ SERVER_MARKER = ".streamer-server"  # {data_dir}/valkey/: the embedded server's 
 SERVER_LOCK = ".server.lock"
 TRAINER_LOCK = ".trainer.lock"
 # what Streamer writes inside a run directory (anything else is the user's and is kept)
-RUN_ENTRIES = ("weights", "checkpoints", "logs", "curve.json", TRAINER_LOCK, RUN_MARKER)
+ENGINE_MODEL = "engine-model"  # `up --engine`: the demo model the engine serves
+ENGINE_CONFIG = "engine.toml"  # `up --engine`: the run config with the engine's settings
+RUN_ENTRIES = (
+    "weights",
+    "checkpoints",
+    "logs",
+    "curve.json",
+    ENGINE_MODEL,
+    ENGINE_CONFIG,
+    TRAINER_LOCK,
+    RUN_MARKER,
+)
 
 
 def mark(directory: Path, marker: str) -> Path:

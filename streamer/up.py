@@ -31,10 +31,13 @@ from pathlib import Path
 from streamer import plot
 from streamer.config import URL_ENV, RunConfig, replace
 from streamer.connection import connect, redact
+from streamer.errors import ConfigError
 from streamer.keys import Keys
 from streamer.lifecycle import QuietStdout, child_preexec
 from streamer.progress import Progress
 from streamer.rundir import (
+    ENGINE_CONFIG,
+    ENGINE_MODEL,
     RUN_ENTRIES,
     RUN_MARKER,
     SERVER_MARKER,
@@ -60,6 +63,8 @@ class Child:
     log_path: Path
     proc: subprocess.Popen | None = None
     stopping: bool = False
+    group: bool = False  # signal its whole process group (an engine and its worker processes)
+    env: dict[str, str] | None = None  # its own environment instead of the roles'
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +74,7 @@ class Child:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=env,
+                env=self.env or env,
                 start_new_session=True,  # Ctrl-C reaches `up`, which stops us in order
                 preexec_fn=child_preexec(os.getpid()),  # and `up` dying stops us too
             )
@@ -81,19 +86,25 @@ class Child:
         if self.proc is None or self.proc.poll() is not None:
             return self.exited()
         self.stopping = True
-        self.proc.send_signal(signal.SIGTERM)
+        self._signal(signal.SIGTERM)
         try:
             return self.proc.wait(grace)
         except subprocess.TimeoutExpired:
             log.warning("%s did not stop within %.0fs; killing it", self.name, grace)
-            self.proc.kill()
+            self._signal(signal.SIGKILL)
             return self.proc.wait()
 
     def kill(self) -> None:
         """SIGKILL now (the second signal): the last checkpoint stays the resume point."""
         if self.proc is not None and self.proc.poll() is None:
             self.stopping = True
-            self.proc.kill()
+            self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig) if self.group else self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -110,7 +121,7 @@ class Stack:
     children: dict[str, Child] = field(default_factory=dict)
     server: EmbeddedServer | None = None
 
-    STOP_ORDER = ("produce", "eval", "train", "archive", "metrics")
+    STOP_ORDER = ("produce", "eval", "engine", "train", "archive", "metrics")
 
     def stop_children(self) -> None:
         for kind in self.STOP_ORDER:
@@ -133,9 +144,11 @@ class Stack:
 
 def _role_argv(cmd: str, cfg: RunConfig, args, *extra: str) -> list[str]:
     argv = [sys.executable, "-m", "streamer", "--log-level", args.log_level, cmd]
-    if args.config:
+    if getattr(args, "engine_config", None):  # up's own config, with the engine's settings
+        argv += ["--config", args.engine_config]
+    elif args.config:
         argv += ["--config", args.config]
-    if getattr(args, "task", None):
+    if getattr(args, "task", None) and not getattr(args, "engine_config", None):
         argv += ["--task", args.task]
     # the server URL (a password, perhaps) travels in the environment (URL_ENV), never in
     # argv: /proc/PID/cmdline is readable by every local user, /proc/PID/environ only by us
@@ -179,13 +192,60 @@ def main(cfg: RunConfig, args) -> int:
         if args.fresh:
             _fresh(cfg, embedded)
         mark_run(cfg.run_dir)
-        return _run(cfg, args, started, embedded)
+        engine = None
+        if getattr(args, "engine", None):
+            cfg, engine = _engine(cfg, args)
+        return _run(cfg, args, started, embedded, engine)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(cfg: RunConfig, args, started: float, embedded: bool) -> int:
+def _engine(cfg: RunConfig, args) -> tuple[RunConfig, Child]:
+    """The inference engine `up` runs for the producers (``--engine vllm``): its child, and
+    the config every role reads (written into the run directory, passed as ``--config``)."""
+    import msgspec
+
+    from streamer import demo, vllm_server
+    from streamer.config import write_toml
+
+    if cfg.model.name_or_path == demo.DEMO:  # the demo model in a shape vLLM serves
+        model_dir = demo.save_for_engine(cfg.run_dir / ENGINE_MODEL, seed=cfg.run.seed).resolve()
+    else:
+        model_dir = Path(cfg.model.name_or_path)
+        if not (model_dir / "config.json").is_file():
+            raise ConfigError(f"--engine {args.engine}: model.name_or_path must be a local model directory")
+    port = free_port()
+    cfg = replace(
+        cfg,
+        model={"name_or_path": str(model_dir), "tokenizer": cfg.model.tokenizer or str(model_dir)},
+        producer={
+            "sampler": "remote",
+            "engine": args.engine,
+            "remote_url": f"http://127.0.0.1:{port}",
+            "remote_model": str(model_dir),
+        },
+    )
+    argv = vllm_server.command(
+        model_dir,
+        port=port,
+        dtype=cfg.model.dtype,
+        max_model_len=_max_len(model_dir),
+        lora_rank=cfg.model.lora.rank,
+    )
+    args.engine_config = str(write_toml(cfg.run_dir / ENGINE_CONFIG, msgspec.to_builtins(cfg)))
+    child = Child("engine", argv, cfg.log_dir / "engine.log", group=True, env=vllm_server.environment())
+    return cfg, child
+
+
+def _max_len(model_dir: Path) -> int:
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    return min(int(config.get("max_position_embeddings") or 4096), 4096)
+
+
+def _run(cfg: RunConfig, args, started: float, embedded: bool, engine: Child | None = None) -> int:
     stack, stop_requested = Stack(), threading.Event()
 
     def on_signal(signum, frame):
@@ -205,6 +265,9 @@ def _run(cfg: RunConfig, args, started: float, embedded: bool) -> int:
             cfg = replace(cfg, run={"redis_url": stack.server.url})
         try:
             connect(cfg.run.redis_url)  # one clear line now if the server is unusable
+            if engine is not None:  # first: it takes longest to start; producers wait for it
+                stack.children[engine.name] = engine
+                engine.start(dict(os.environ))
             return _start_and_supervise(cfg, args, started, stack, stop_requested)
         finally:
             stack.stop_server()  # last: every role that needed it has stopped
@@ -252,7 +315,8 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
             final -= final % cfg.eval.eval_every
             progress.wait_for_eval(final, FINAL_EVAL_WAIT, stop_requested)
     finally:
-        stopping = "producers, evaluator, trainer, " + ("archiver, " if cfg.archive.enabled else "")
+        engine = "engine, " if "engine" in stack.children else ""
+        stopping = f"producers, evaluator, {engine}trainer, " + ("archiver, " if cfg.archive.enabled else "")
         print(f"\nstreamer up: stopping ({stopping}exporter, server) ...", flush=True)
         stack.stop_children()
         elapsed = time.monotonic() - started

@@ -1,0 +1,164 @@
+"""The vLLM engine profile against a real vLLM server (its CPU build, in its own virtualenv).
+
+One server for the module, started on a free 127.0.0.1 port in a process group of its own
+and called ready once it completed a request (streamer/vllm_server.py). It serves the demo
+model in the shape vLLM's CPU attention accepts (demo.save_for_engine: head size 64,
+untied). Skipped where `python3 dev.py vllm` has not built the virtualenv; a failure
+under CI, which builds it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from needs import need
+from trainer_data import model_logprobs, prompt_ids
+
+from consumers.batch import collate
+from consumers.learner import Learner
+from producers import engines
+from producers.follow import WeightFollower
+from producers.remote_sampler import RemoteSampler
+from schemas import Sample, TrajectoryGroup, WeightSync
+from streamer import demo, lora, vllm_server, weights
+from streamer.bus import entry
+from streamer.config import LoraSection, TrainerSection
+from streamer.server import free_port
+
+pytestmark = pytest.mark.slow
+
+LORA = LoraSection(rank=4, alpha=8.0)
+TOL = 1e-4
+PROMPTS = [prompt_ids(a, b) for a, b in ((1, 2), (3, 4), (7, 2), (0, 5))]
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    need(vllm_server.python() is not None, "no vLLM virtualenv (python3 dev.py vllm)")
+    root = tmp_path_factory.mktemp("vllm")
+    model_dir = demo.save_for_engine(root / "model", seed=0)
+    server = vllm_server.VllmServer(
+        model_dir, log_path=root / "vllm.log", port=free_port(), lora_rank=LORA.rank
+    )
+    server.start()
+    try:
+        server.wait_ready(PROMPTS[0], timeout=400)
+        yield server
+    finally:
+        server.stop()
+
+
+def _sampler(vllm, **kwargs) -> RemoteSampler:
+    eos = demo.tokenizer().eos_token_id
+    return RemoteSampler(
+        base_url=vllm.url, model=str(vllm.model_dir), stop_ids=[eos], engine=engines.Vllm(), **kwargs
+    )
+
+
+def _model(seed: int):
+    return demo.build_model(seed, **demo.ENGINE_SIZE, tie=False).eval()
+
+
+def _max_error(sampler: RemoteSampler, model, *, n: int = 4) -> float:
+    """Largest |engine log-prob - local forward pass log-prob| over sampled tokens."""
+    worst = 0.0
+    for prompt in PROMPTS:
+        for c in sampler.sample(prompt, n=n, temperature=1.0, top_p=1.0, max_new_tokens=4):
+            assert c.token_ids and all(0 <= t < len(demo.tokenizer()) for t in c.token_ids)
+            local = model_logprobs(model, prompt, list(c.token_ids))
+            worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, local)))
+    return worst
+
+
+def test_vllm_samples_token_ids_and_logprobs_of_the_served_weights(vllm):
+    sampler = _sampler(vllm)
+    try:
+        assert _max_error(sampler, _model(0)) <= TOL
+    finally:
+        sampler.close()
+
+
+def test_vllm_full_weight_version_and_lora_version_reach_the_server(vllm, tmp_path, client, keys):
+    """A new full-weight version (written as the trainer writes it for vLLM: untied), then a
+    LoRA adapter version: after each, the engine's log-probs are the new weights'."""
+    sampler = _sampler(vllm)
+    follower = WeightFollower(client, keys, weights_dir=tmp_path, sampler=sampler)
+    try:
+        new = _model(7)
+        uri, sha = weights.write_version(new, tmp_path, 1, untie=True)
+        client.xadd(keys.policy, entry(WeightSync(version=1, step=1, uri=uri, sha256=sha)))
+        assert follower.update() and follower.version == 1
+        assert _max_error(sampler, _model(0)) > 0.01, "still the start-up weights"
+        assert _max_error(sampler, new) <= TOL
+
+        adapted = lora.apply(_model(7), LORA)
+        with torch.no_grad():  # a non-zero B: the adapter changes the outputs
+            for name, p in adapted.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn_like(p) * 0.5)
+        uri, sha = weights.write_version(lora.AdapterView(adapted), tmp_path, 2)
+        client.xadd(keys.policy, entry(WeightSync(version=2, step=2, uri=uri, sha256=sha)))
+        assert follower.update() and sampler.model == "streamer-v00000002"
+        assert _max_error(sampler, adapted.eval()) <= TOL
+    finally:
+        sampler.close()
+        _restore(vllm, tmp_path)
+
+
+def test_vllm_mismatch_kl_on_fresh_data_is_zero(vllm):
+    """The trainer's k3 KL between the engine's log-probs and its own, on groups the engine
+    just sampled with the weights the trainer holds: ~0 (a different numerics path only)."""
+    sampler = _sampler(vllm)
+    try:
+        groups = []
+        for i, prompt in enumerate(PROMPTS):
+            cs = sampler.sample(prompt, n=4, temperature=1.0, top_p=1.0, max_new_tokens=3)
+            samples = [
+                Sample.build(
+                    prompt_ids=prompt,
+                    completion_ids=c.token_ids,
+                    logprobs=c.logprobs,
+                    reward=float(j % 2),
+                    finish_reason=c.finish_reason,
+                    version=0,
+                )
+                for j, c in enumerate(cs)
+            ]
+            groups.append(
+                TrajectoryGroup(
+                    group_id=f"g{i}",
+                    row=i,
+                    epoch=0,
+                    producer_id="p",
+                    samples=samples,
+                    policy_version=0,
+                    created_at=0.0,
+                )
+            )
+        learner = Learner(_model(0), TrainerSection(lr=1e-6))
+        values = learner.train_step(collate(groups))
+        assert abs(values["mismatch_kl"]) < 1e-6, values["mismatch_kl"]
+    finally:
+        sampler.close()
+
+
+def test_vllm_probe_says_ready_and_the_model_name_it_refuses(vllm):
+    sampler = _sampler(vllm)
+    try:
+        sampler.probe(PROMPTS[0])  # ready: returns
+        sampler.model = "no-such-model"
+        with pytest.raises(Exception) as err:
+            sampler.probe(PROMPTS[0])
+        assert getattr(err.value, "refused", False) and "HTTP 404" in str(err.value), err.value
+    finally:
+        sampler.close()
+
+
+def _restore(vllm, tmp_path) -> None:
+    """Put the start-up weights back for the tests after this one."""
+    sampler = _sampler(vllm)
+    try:
+        weights.write_version(_model(0), tmp_path, 99, untie=True)
+        sampler.load_weights(weights.version_dir(tmp_path, 99))
+    finally:
+        sampler.close()
