@@ -3,9 +3,12 @@
 
     python3 dev.py up      # streamer up: embedded Valkey + trainer + producers + eval + metrics
     python3 dev.py test    # the whole test suite (what CI runs)
+    python3 dev.py vllm    # only build vLLM's own virtualenv (test and up --engine vllm do it too)
 
 Extra arguments pass through (``python3 dev.py up --steps 20``, ``python3 dev.py test -k bus``).
-Only Python 3.11+ is needed; everything else goes into ./.venv.
+Only Python 3.11+ is needed; everything else goes into ./.venv, and vLLM (for the suite's
+real-engine tests and ``up --engine vllm``) into a virtualenv of its own that is kept
+between runs (streamer/vllm_server.py: ~/.cache/streamer/vllm-VERSION).
 """
 
 from __future__ import annotations
@@ -50,12 +53,27 @@ def bootstrap() -> None:
     stamp_file.write_text(_stamp())
 
 
+def bootstrap_vllm(*, required: bool) -> None:
+    """vLLM's virtualenv (a few minutes the first time, then nothing). Not ``required`` (the
+    test suite): a failed install is a warning, and the real-engine tests skip (fail in CI)."""
+    code = "from streamer.vllm_server import install; install()"
+    done = subprocess.run([str(_python()), "-c", code])
+    if done.returncode != 0:
+        if required:
+            sys.exit("vLLM could not be installed (see above)")
+        print("dev.py: vLLM could not be installed; its tests will not run", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("up", "test", "streamer"):
+    if not argv or argv[0] not in ("up", "test", "streamer", "vllm"):
         print(__doc__)
         return 2
     bootstrap()
     cmd, rest = argv[0], argv[1:]
+    if cmd == "vllm" or cmd == "test" or (cmd == "up" and "--engine" in " ".join(rest)):
+        bootstrap_vllm(required=cmd != "test")
+    if cmd == "vllm":
+        return 0
     if cmd == "test":
         args = [str(_python()), "-m", "pytest", *rest]
     elif cmd == "up":

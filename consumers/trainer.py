@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 CONSUMER_NAME = "trainer-0"  # one trainer per run: a stable name finds its pending entries again
 STOP_SERVER_WAIT = 30.0  # seconds a stopping trainer waits for an unreachable server
+MISMATCH_WARN_KL = 0.01  # k3 KL(sampler || trainer) on a fresh batch above which the engine is suspect
 
 
 class Trainer:
@@ -88,6 +89,7 @@ class Trainer:
         self.high_water = "0-0"  # the restored checkpoint's newest entry id trained into the model
         self.feed: Feeder | None = None
         self.lineage = Lineage()  # staleness along the version tree (consumers/lineage.py)
+        self._mismatch_warned = False
         self.give_up_after: float | None = None  # server outage allowed to outputs; None = wait
         self.publisher = Publisher(client, keys, cfg.bus)
         self.versions = VersionPublisher(
@@ -262,6 +264,7 @@ class Trainer:
         }
         rejected = self.feed.take_rejections()
         values.update({f"groups_rejected_{r}": float(rejected.get(r, 0)) for r in REJECT_REASONS})
+        self._check_mismatch(values)
         self._publish_metrics(values)
         log.info(
             "step %d v%d loss %.4f reward %.3f staleness %.1f rejected %d "
@@ -279,6 +282,22 @@ class Trainer:
         )
 
     # ------------------------------------------------------------ outputs
+
+    def _check_mismatch(self, values: dict[str, float]) -> None:
+        """Warn once when the samplers' log-probs disagree with the trainer's on a batch that
+        is all fresh (staleness 0): then mismatch_kl measures the engine, not the lag."""
+        kl = values.get("mismatch_kl", 0.0)
+        if self._mismatch_warned or values["staleness_max"] > 0 or not kl > MISMATCH_WARN_KL:
+            return
+        self._mismatch_warned = True
+        log.warning(
+            "the samplers' log-probs disagree with the trainer's on fresh data: mismatch_kl %.3g at step %d "
+            "(> %g). Check producer.engine and producer.remote_logprobs against the server, model.dtype, "
+            "and that a vLLM server serves an untied model (docs/ENGINES.md)",
+            kl,
+            self.step,
+            MISMATCH_WARN_KL,
+        )
 
     def _publish_metrics(self, values: dict[str, float]) -> None:
         event = MetricsEvent(axis="train", step=self.step, values=values, source="trainer")

@@ -74,6 +74,7 @@ class FakeCompletionsServer:
         self.in_flight = self.max_in_flight = 0
         self.reloads: list[str] = []  # weights directories loaded (either engine's reload call)
         self.cache_resets = 0
+        self.paths: list[str] = []  # every POST other than completions, in order (reload calls)
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         self.bodies: list[dict] = []
         self._fail: list[int] = []
@@ -97,6 +98,11 @@ class FakeCompletionsServer:
     def fail_next(self, count: int, status: int = 503) -> None:
         with self._lock:
             self._fail.extend([status] * count)
+
+    def clear_failures(self) -> None:
+        """Answer normally again (the failures fail_next queued and not yet used are dropped)."""
+        with self._lock:
+            self._fail.clear()
 
     def __enter__(self):
         return self.start()
@@ -177,6 +183,7 @@ def _handler(server: FakeCompletionsServer):
                 return self.send_json(400, {"object": "error", "message": "bad JSON", "code": 400})
             if self.path == "/v1/completions":
                 return self.send_json(*server.answer(body))
+            server.paths.append(self.path)
             if self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
                 name = body.get("lora_name", "")
                 if self.path.startswith("/v1/load"):

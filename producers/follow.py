@@ -63,13 +63,21 @@ class WeightFollower:
         self.retry_at = 0.0  # time.monotonic()
         self.loads = self.errors = 0  # totals, for counters
         self.last_load_seconds: float | None = None
+        # an engine that cannot load weights (producer.engine = "openai") keeps version 0
+        self.follows = getattr(sampler, "follows_versions", True)
+        if not self.follows:
+            log.warning(
+                "engine %r cannot load new weights: every sample is stamped with version 0, and the "
+                "trainer drops them once they are older than trainer.max_staleness versions",
+                getattr(getattr(sampler, "engine", None), "name", "?"),
+            )
         # producers sharing one inference server reload it once per version, in order
         url = getattr(sampler, "base_url", None)
         self.shared = SharedReload(client, keys, url, lock_seconds=sampler.reload_deadline()) if url else None
 
     def due(self, sync: WeightSync | None) -> bool:
         """Whether ``sync`` is newer than ours and not waiting out a failed load's backoff."""
-        if sync is None or sync.version <= self.version:
+        if sync is None or sync.version <= self.version or not self.follows:
             return False
         return sync.version != self.failed_version or time.monotonic() >= self.retry_at
 
@@ -83,6 +91,8 @@ class WeightFollower:
 
         Raises WeightsError after MAX_LOAD_FAILURES failed loads in a row, and SamplerError
         when the engine cannot be reached (an outage, not the version's fault)."""
+        if not self.follows:
+            return False
         start = time.monotonic()
         try:
             path = weights.resolve(sync, self.weights_dir, verify=self.verify)

@@ -88,6 +88,10 @@ class RemoteSampler:
         data = self._post("/v1/completions", body)
         return parse_completions(data, n=n, stop_ids=self.stop_ids)
 
+    @property
+    def follows_versions(self) -> bool:
+        return self.engine.follows_versions
+
     def probe(self, prompt_ids: list[int]) -> None:
         """One short completion, no retries: returns once the engine samples. SamplerError
         with ``refused`` when it answers with an error (it refuses the model or the request),
@@ -98,7 +102,9 @@ class RemoteSampler:
             resp = self._http.post("/v1/completions", json=body)
         except httpx.TransportError as e:
             raise SamplerError(f"{self.base_url}: {type(e).__name__}: {e}") from None
-        if resp.status_code >= 400:
+        if resp.status_code in RETRY_STATUS - {500}:  # busy or still starting: not an answer yet
+            raise SamplerError(f"{self.base_url}: HTTP {resp.status_code}: {resp.text[:200]}")
+        if resp.status_code >= 400:  # 500 included: vLLM's answer to a model its backend refuses
             raise SamplerError(
                 f"{self.base_url} ({self.engine.name}) refused a first completion: HTTP {resp.status_code}: "
                 f"{resp.text[:300]}",

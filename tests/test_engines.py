@@ -1,0 +1,113 @@
+"""Engine profiles (producers/engines.py) and what producers do when the engine misbehaves,
+against the project's OpenAI-compatible test server; the same calls against a real vLLM are
+tests/test_vllm.py's."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+from trainer_data import EOS
+from waits import wait_until
+
+from producers import engines
+from producers.components import build
+from producers.fake_server import FakeCompletionsServer, canned
+from producers.follow import WeightFollower
+from producers.producer import Producer
+from producers.remote_sampler import RemoteSampler
+from schemas import WeightSync
+from streamer import demo, status, weights
+from streamer.bus import entry
+from streamer.config import ConfigError, RunConfig, parse_config, replace
+
+
+def _sampler(server, engine: engines.Engine) -> RemoteSampler:
+    return RemoteSampler(base_url=server.url, model="m", stop_ids=[EOS], engine=engine, retries=0)
+
+
+def _publish(client, keys, root, version: int) -> None:
+    uri, sha = weights.write_version(demo.build_model(seed=version), root, version)
+    client.xadd(keys.policy, entry(WeightSync(version=version, step=version, uri=uri, sha256=sha)))
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "calls"),
+    [
+        ("vllm", {}, ["/collective_rpc", "/reset_prefix_cache"]),
+        ("sglang", {}, ["/update_weights_from_disk"]),
+        ("openai", {"reload_endpoint": "/update_weights_from_disk"}, ["/update_weights_from_disk"]),
+    ],
+)
+def test_each_engine_profile_sends_its_reload_call(client, keys, tmp_path, name, overrides, calls):
+    with FakeCompletionsServer(canned([4, EOS])) as server:
+        sampler = _sampler(server, engines.profile(name, **overrides))
+        follower = WeightFollower(client, keys, weights_dir=tmp_path, sampler=sampler)
+        _publish(client, keys, tmp_path, 1)
+        assert follower.update() and follower.version == 1
+        assert server.reloads == [str(weights.version_dir(tmp_path, 1).resolve())]
+        assert server.paths == calls
+        sampler.close()
+
+
+def test_a_plain_openai_server_cannot_follow_versions_and_says_so(client, keys, tmp_path, caplog):
+    with FakeCompletionsServer(canned([4, EOS])) as server, caplog.at_level(logging.WARNING):
+        sampler = _sampler(server, engines.profile("openai"))
+        follower = WeightFollower(client, keys, weights_dir=tmp_path, sampler=sampler)
+        _publish(client, keys, tmp_path, 1)
+        assert not follower.update() and follower.version == 0 and follower.errors == 0
+        assert server.paths == [] and "cannot load new weights" in caplog.text
+        sampler.close()
+
+
+def test_engine_keys_and_their_defaults():
+    cfg = parse_config(b'[producer]\nsampler = "remote"\nremote_url = "http://x"\n')
+    assert cfg.producer.engine == "vllm" and cfg.producer.logprobs_mode == "raw"
+    assert cfg.producer.untied_versions  # vLLM reloads a tied head from nothing
+    sglang = parse_config(b'[producer]\nengine = "sglang"\nsampler = "remote"\nremote_url = "http://x"\n')
+    assert sglang.producer.logprobs_mode == "processed" and not sglang.producer.untied_versions
+    with pytest.raises(ConfigError, match="producer.engine"):
+        parse_config(b'[producer]\nengine = "tgi"\n')
+
+
+@pytest.mark.parametrize(
+    "key", ["trainer.lr", "trainer.grad_clip", "producer.temperature", "bus.socket_timeout"]
+)
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_a_non_finite_setting_is_a_config_error_naming_the_key(key, value):
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_config(f"[{section}]\n{name} = {value}\n".encode())
+
+
+def test_an_engine_that_goes_down_is_waited_out_and_nothing_is_lost(client, keys, redis_url, tmp_path):
+    """The engine answers 503 for a while (down or restarting): rows are handed back without
+    counting against them, status names the engine, and the producer carries on afterwards."""
+    cfg = replace(
+        RunConfig(),
+        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
+        producer={"group_size": 2, "max_new_tokens": 2, "max_groups": 6, "remote_retries": 0},
+        trainer={"groups_per_step": 1000},
+    )
+    with FakeCompletionsServer(canned([10, EOS])) as server:
+        cfg = replace(cfg, producer={"sampler": "remote", "remote_url": server.url})
+        task, sampler = build(cfg)
+        producer = Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler)
+        done = threading.Thread(target=producer.run, daemon=True)
+        done.start()
+        wait_until(lambda: producer.published >= 2, timeout=60, what="two groups before the outage")
+        server.fail_next(1_000_000, status=503)
+        snap = wait_until(
+            lambda: (s := status.snapshot(client, keys)).problems and s,
+            timeout=60,
+            what="status to name the engine",
+        )
+        assert any("engine down" in what for what in snap.problems.values()), snap.problems
+        wait_until(lambda: producer._failures >= 2, timeout=60, what="two failed tries")
+        server.clear_failures()
+        done.join(120)
+        assert not done.is_alive(), "the producer did not finish after the engine came back"
+    assert producer.published == 6
+    assert not client.hlen(keys.row_attempts), "an engine outage was charged to the rows"
+    assert not status.snapshot(client, keys).problems  # cleared once it published again
