@@ -185,7 +185,9 @@ class TrainerSection(_Section):
     groups_per_step: PosInt = 8  # accepted groups per trainer step
     max_staleness: NonNegInt = 1  # versions a group may lag the policy; 0 = synchronous on-policy
     steps: NonNegInt = 0  # stop after this many steps; 0 = forever
-    lr: PosFloat = 1e-5  # AdamW learning rate
+    lr: Annotated[float, msgspec.Meta(gt=0, le=1)] = (
+        1e-5  # AdamW learning rate (an Adam step moves a weight by ~lr)
+    )
     warmup_steps: NonNegInt = 0  # linear LR warmup, in optimizer steps
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup (consumers/schedule.py)
     lr_decay_steps: NonNegInt = 0  # optimizer steps from 0 to the end of decay; 0 = steps * ppo_minibatches

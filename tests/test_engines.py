@@ -18,7 +18,7 @@ from producers.follow import WeightFollower
 from producers.producer import Producer
 from producers.remote_sampler import RemoteSampler
 from schemas import WeightSync
-from streamer import demo, status, weights
+from streamer import demo, status, tensorfile, weights
 from streamer.bus import entry
 from streamer.config import ConfigError, RunConfig, parse_config, replace
 
@@ -111,3 +111,44 @@ def test_an_engine_that_goes_down_is_waited_out_and_nothing_is_lost(client, keys
     assert producer.published == 6
     assert not client.hlen(keys.row_attempts), "an engine outage was charged to the rows"
     assert not status.snapshot(client, keys).problems  # cleared once it published again
+
+
+def test_the_trainer_never_publishes_non_finite_weights(client, keys, tmp_path):
+    import torch
+
+    from consumers.versions import VersionPublisher
+    from streamer.errors import StreamerError
+
+    publisher = VersionPublisher(client, keys, root=tmp_path, keep_versions=3, protect=lambda: -1)
+    model = demo.build_model(seed=1)
+    publisher.publish_now(model, version=0, step=0)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    publisher.submit(model, version=1, step=1)
+    with pytest.raises(StreamerError, match=r"step 1 produced non-finite weights .*up_proj"):
+        publisher.drain()
+    publisher.abandon()
+    assert client.xlen(keys.policy) == 1 and int(client.get(keys.version)) == 0
+    assert weights.versions(tmp_path) == [0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_versions_are_written_in_model_dtype_and_load_into_a_sampler_of_it(tmp_path, dtype):
+    import torch
+
+    from producers.samplers import LocalSampler
+
+    trained = demo.build_model(seed=3)  # the trainer's float32 master weights
+    weights.write_version(trained, tmp_path, 1, dtype=getattr(torch, dtype))
+    vdir = weights.version_dir(tmp_path, 1)
+    head, _ = tensorfile.header(vdir / weights.WEIGHTS_FILE)
+    assert {spec["dtype"] for spec in head.values()} == {"BF16" if dtype == "bfloat16" else "F16"}
+    sampler_model = demo.build_model(seed=0).to(getattr(torch, dtype))
+    LocalSampler(sampler_model, stop_ids=[EOS]).load_weights(vdir)
+    want = {k: v.to(getattr(torch, dtype)) for k, v in trained.state_dict().items()}
+    assert all(torch.equal(v, want[k]) for k, v in sampler_model.state_dict().items())
+    # a float32 file loads into a half-precision model too (cast as it is copied)
+    weights.write_version(trained, tmp_path, 2)
+    LocalSampler(demo.build_model(seed=0).to(getattr(torch, dtype)), stop_ids=[EOS]).load_weights(
+        weights.version_dir(tmp_path, 2)
+    )

@@ -1,0 +1,97 @@
+"""`streamer up` the way a user runs a real model: half-precision weights, and a vLLM server
+that `up` starts, feeds every version and stops with the rest."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from bounds import RUN, START
+from needs import need
+from test_up import Scraper, _up
+
+from streamer import tensorfile, vllm_server, weights
+
+pytestmark = pytest.mark.slow
+
+
+def _engine_processes(model_dir: Path) -> list[int]:
+    """PIDs whose command line names ``model_dir`` (the engine and its workers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(model_dir) in cmdline:
+                pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_up_trains_in_half_precision_with_producers_on_the_new_versions(tmp_path, dtype):
+    steps = 12
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\ndtype = "{dtype}"\n[trainer]\ncheckpoint_every = 5\n')
+    proc = _up(tmp_path / "data", "--config", str(config), "--steps", str(steps))
+    scraper = Scraper(proc)
+    try:
+        code = proc.wait(timeout=RUN)
+    finally:
+        scraper.stop.set()
+        proc.kill()
+    scraper.reader.join(5)
+    out = scraper.output()
+    assert code == 0 and f"steps trained      {steps}" in out, out
+    run = tmp_path / "data" / "demo"
+    head, _ = tensorfile.header(weights.version_dir(run / "weights", steps) / weights.WEIGHTS_FILE)
+    assert {s["dtype"] for s in head.values()} == {"BF16" if dtype == "bfloat16" else "F16"}
+    logs = {p.name: p.read_text() for p in (run / "logs").glob("produce-*.log")}
+    assert all("cannot load" not in text for text in logs.values()), logs
+    curve = json.loads((run / "curve.json").read_text())
+    sampled = sorted(int(v) for v in curve["reward_by_version"])
+    assert sampled[-1] >= steps - 4, f"producers stayed on old versions: {sampled}"
+
+
+def test_up_engine_vllm_feeds_every_version_to_the_server_and_stops_it(tmp_path):
+    need(vllm_server.python() is not None, "no vLLM virtualenv (python3 dev.py vllm)")
+    data = tmp_path / "data"
+    proc = _up(data, "--engine", "vllm", "--steps", "1000")
+    scraper = Scraper(proc)
+    model_dir = (data / "demo" / "engine-model").resolve()
+    try:
+        deadline = time.monotonic() + START + RUN
+        while (
+            not (versions := [int(v) for v in re.findall(r"version\s+(\d+)", scraper.output())])
+            or max(versions) < 8
+        ):
+            assert proc.poll() is None, scraper.output()
+            assert time.monotonic() < deadline, f"no version 8 in time:\n{scraper.output()[-3000:]}"
+            time.sleep(1.0)
+        assert _engine_processes(model_dir), "the engine is not running"
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        code = proc.wait(timeout=START)
+    finally:
+        scraper.stop.set()
+        proc.kill()
+    scraper.reader.join(5)
+    out = scraper.output()
+    assert code == 130, out
+    assert "stopping (producers, evaluator, engine, trainer," in out, out
+    assert not _engine_processes(model_dir), "an engine process outlived up"
+    engine_log = (data / "demo" / "logs" / "engine.log").read_text()
+    assert engine_log.count("POST /collective_rpc") >= 5, engine_log[-3000:]
+    assert "POST /reset_prefix_cache" in engine_log
+    curve = json.loads((data / "demo" / "curve.json").read_text())
+    sampled = sorted(int(v) for v in curve["reward_by_version"])
+    assert sampled and sampled[-1] >= 4, f"producers stayed on old versions: {sampled}"
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (
+        config["tie_word_embeddings"] is False
+        and config["hidden_size"] // config["num_attention_heads"] == 64
+    )
