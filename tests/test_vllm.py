@@ -162,3 +162,47 @@ def _restore(vllm, tmp_path) -> None:
         sampler.load_weights(weights.version_dir(tmp_path, 99))
     finally:
         sampler.close()
+
+
+def test_vllm_shared_by_two_producers_reloads_once_per_version(vllm, client, keys, redis_url, tmp_path):
+    """Two producers on one vLLM server: one reload per version between them (the shared-reload
+    protocol, producers/reload.py), and every group stamped with a version the server held."""
+    from producers.components import build
+    from producers.producer import Producer
+    from schemas import decode
+    from streamer.bus import FIELD
+    from streamer.config import RunConfig, replace
+
+    cfg = replace(
+        RunConfig(),
+        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
+        model={"name_or_path": str(vllm.model_dir)},
+        producer={
+            "sampler": "remote",
+            "engine": "vllm",
+            "remote_url": vllm.url,
+            "remote_model": str(vllm.model_dir),
+            "group_size": 2,
+            "max_new_tokens": 2,
+        },
+        trainer={"groups_per_step": 1000},
+    )
+    producers = []
+    for pid in ("a", "b"):
+        task, sampler = build(cfg)
+        producers.append(Producer(cfg, client=client, producer_id=pid, task=task, sampler=sampler))
+    try:
+        for version in (1, 2, 3):
+            uri, sha = weights.write_version(_model(version), cfg.weights_dir, version, untie=True)
+            client.xadd(keys.policy, entry(WeightSync(version=version, step=version, uri=uri, sha256=sha)))
+            for p in producers:
+                assert p.step() == "published"
+        stamps = [decode(f[FIELD], TrajectoryGroup).policy_version for _, f in client.xrange(keys.traj)]
+        assert stamps == [1, 1, 2, 2, 3, 3], stamps
+        assert sum(p.follower.shared.reloads for p in producers) == 3
+        assert all(p.follower.version == 3 for p in producers)
+        assert _max_error(producers[0].sampler, _model(3)) <= TOL
+    finally:
+        for p in producers:
+            p.close()
+        _restore(vllm, tmp_path)
