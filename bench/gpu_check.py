@@ -11,6 +11,11 @@
    the trainer's bfloat16 autocast: the train/mismatch_kl a half-precision engine shows.
 3. trainer step throughput of a 141M-parameter Qwen2 (32k vocab, hidden 768, 12 layers;
    16 rows of 1024 tokens): float32 vs bfloat16 autocast, trained tokens/s and peak memory.
+4. vLLM (when its virtualenv exists: ``python3 dev.py vllm`` builds it, the CUDA build on a
+   GPU box): a server on the demo engine model in bfloat16, its sampled log-probs against a
+   bfloat16 forward pass here (max error and k3 KL), a bfloat16 version written as the
+   trainer writes it for vLLM (untied), reloaded through the vllm profile (seconds), and
+   the log-probs after it against the new weights. ``--no-vllm`` skips it.
 
 One `ok`/`FAIL` line per check, then `ratios: bf16_over_fp32_tokens_per_s=...x`; exit 1
 if any check failed.
@@ -186,6 +191,67 @@ def throughput(dev: torch.device, *, hidden: int, layers: int, seq: int, rows: i
     return results["bfloat16"] / results["float32"]
 
 
+def vllm_section(dev: torch.device, workdir: Path) -> None:
+    """A real vLLM server: log-probs of the served weights, then a reloaded version's."""
+    from producers import engines
+    from producers.remote_sampler import RemoteSampler
+    from streamer import vllm_server, weights
+    from streamer.server import free_port
+
+    if vllm_server.python() is None:
+        print("skip vllm: no vLLM virtualenv (python3 dev.py vllm)", flush=True)
+        return
+    tok = demo.tokenizer()
+    prompts = [
+        tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for r in demo.rows("train")[:4]
+    ]
+    model_dir = demo.save_for_engine(workdir / "model", seed=0)
+    dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    server = vllm_server.VllmServer(model_dir, log_path=workdir / "vllm.log", port=free_port(), dtype=dtype)
+    server.start()
+    try:
+        ready = server.wait_ready(prompts[0], timeout=600)
+        check("vllm: first completion", True, f"{ready:.0f}s after start ({dtype})")
+        sampler = RemoteSampler(
+            base_url=server.url, model=str(model_dir), stop_ids=[tok.eos_token_id], engine=engines.Vllm()
+        )
+
+        def worst(model) -> tuple[float, float]:
+            errs, kls = [], []
+            for p in prompts:
+                for c in sampler.sample(p, n=4, temperature=1.0, top_p=1.0, max_new_tokens=4):
+                    ids = torch.tensor([p + list(c.token_ids)], device=dev)
+                    with torch.no_grad(), torch.autocast(dev.type, dtype=getattr(torch, dtype)):
+                        logits = model(input_ids=ids).logits[0, :-1].float()
+                    local = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0][len(p) - 1 :].cpu()
+                    engine = torch.tensor(c.logprobs)
+                    errs.append(float((engine - local).abs().max()))
+                    kls.append(float((torch.exp(local - engine) - (local - engine) - 1).mean()))
+            return max(errs), sum(kls) / len(kls)
+
+        base = demo.build_model(0, **demo.ENGINE_SIZE, tie=False).to(dev).eval()
+        err, kl = worst(base)
+        tol = 1e-4 if dtype == "float32" else 0.1
+        check("vllm: log-probs of the served weights", err <= tol, f"max error {err:.2e}, k3 KL {kl:.2e}")
+        new = demo.build_model(7, **demo.ENGINE_SIZE, tie=False).to(dev).eval()
+        weights.write_version(new, workdir / "weights", 1, dtype=getattr(torch, dtype), untie=True)
+        start = time.perf_counter()
+        sampler.load_weights(weights.version_dir(workdir / "weights", 1))
+        seconds = time.perf_counter() - start
+        err, kl = worst(new)
+        check(
+            "vllm: a reloaded version",
+            err <= tol,
+            f"reload {seconds:.2f}s; max error {err:.2e}, k3 KL {kl:.2e}",
+        )
+        sampler.close()
+    except Exception as e:  # the engine's own failure is a failed check, with its log's tail
+        check("vllm", False, f"{type(e).__name__}: {e}\n{server.tail()}")
+    finally:
+        server.stop()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -194,6 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="a tiny throughput model (the smoke test)")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the real-engine section")
     args = ap.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.seq, args.rows = 64, 1, 32, 4
@@ -203,6 +270,11 @@ def main(argv=None) -> int:
     precision(dev)
     consistency(dev)
     ratio = throughput(dev, hidden=args.hidden, layers=args.layers, seq=args.seq, rows=args.rows)
+    if not args.no_vllm and not args.quick:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as workdir:
+            vllm_section(dev, Path(workdir))
     print(f"{len(failed)} failed: {', '.join(failed)}" if failed else "all ok")
     print(f"ratios: bf16_over_fp32_tokens_per_s={ratio:.2f}x")
     return 1 if failed else 0

@@ -106,7 +106,9 @@ def command(
         )
     argv = [str(exe), "-m", MODULE, "--model", str(model_dir), "--host", host, "--port", str(port)]
     argv += ["--dtype", dtype, "--max-model-len", str(max_model_len)]
-    if not gpu():
+    if gpu():  # leave the trainer most of the memory when both share a GPU
+        argv += ["--gpu-memory-utilization", os.environ.get("STREAMER_VLLM_GPU_MEMORY", "0.3")]
+    else:
         argv += CPU_ARGS
     if lora_rank:  # vLLM takes only some ranks as the maximum: the next one up
         top = next((r for r in LORA_RANKS if r >= lora_rank), lora_rank)
