@@ -152,3 +152,42 @@ def test_versions_are_written_in_model_dtype_and_load_into_a_sampler_of_it(tmp_p
     LocalSampler(demo.build_model(seed=0).to(getattr(torch, dtype)), stop_ids=[EOS]).load_weights(
         weights.version_dir(tmp_path, 2)
     )
+
+
+def test_a_model_the_engine_refuses_stops_the_producer_at_start_with_the_reason(
+    client, keys, redis_url, tmp_path
+):
+    """vLLM answers a model its CPU backend cannot run with HTTP 500 at the first completion
+    (its /health said 200): the producer says so before any row is claimed."""
+    from streamer.errors import SamplerError
+
+    cfg = replace(
+        RunConfig(),
+        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
+        producer={"group_size": 2, "max_new_tokens": 2},
+        trainer={"groups_per_step": 1000},
+    )
+    with FakeCompletionsServer(canned([10, EOS])) as server:
+        cfg = replace(cfg, producer={"sampler": "remote", "remote_url": server.url})
+        task, sampler = build(cfg)
+        producer = Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler)
+        server.fail_next(1, status=500)
+        with pytest.raises(SamplerError, match="refused a first completion: HTTP 500") as err:
+            producer.run()
+        assert err.value.refused and server.requests == 1
+    assert not client.exists(keys.cursor), "a row was claimed"
+    assert "refused a first completion" in " ".join(status.snapshot(client, keys).problems.values())
+
+
+def test_the_trainer_warns_once_when_engine_logprobs_disagree_on_fresh_data(caplog):
+    from types import SimpleNamespace
+
+    from consumers import trainer
+
+    fake = SimpleNamespace(_mismatch_warned=False, step=3)
+    with caplog.at_level(logging.WARNING, logger="consumers.trainer"):
+        trainer.Trainer._check_mismatch(fake, {"mismatch_kl": 0.5, "staleness_max": 1.0})  # stale: not judged
+        assert not caplog.text
+        for _ in range(3):
+            trainer.Trainer._check_mismatch(fake, {"mismatch_kl": 0.5, "staleness_max": 0.0})
+    assert caplog.text.count("disagree with the trainer's on fresh data: mismatch_kl 0.5 at step 3") == 1
