@@ -222,7 +222,8 @@ def vllm_section(dev: torch.device, workdir: Path) -> None:
             for p in prompts:
                 for c in sampler.sample(p, n=4, temperature=1.0, top_p=1.0, max_new_tokens=4):
                     ids = torch.tensor([p + list(c.token_ids)], device=dev)
-                    with torch.no_grad(), torch.autocast(dev.type, dtype=getattr(torch, dtype)):
+                    half = dtype != "float32"
+                    with torch.no_grad(), torch.autocast(dev.type, dtype=getattr(torch, dtype), enabled=half):
                         logits = model(input_ids=ids).logits[0, :-1].float()
                     local = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0][len(p) - 1 :].cpu()
                     engine = torch.tensor(c.logprobs)
