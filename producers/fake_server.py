@@ -9,8 +9,9 @@ vLLM's ``/collective_rpc`` ``reload_weights`` + ``/reset_prefix_cache``) and vLL
 generates comes from a ``backend(body) -> list[Completion]``: a real local sampler, or a
 canned answer after a fixed latency (the test double for a remote inference server).
 
-Test hooks: ``hold`` (clear it to make requests wait), ``fail_next`` (answer the next k
-requests with an error status), and counters of requests, in-flight peak and reloads.
+Test hooks: ``hold`` (clear it to make requests wait; ``pass_first`` lets the first k
+through, such as a producer's readiness probe), ``fail_next`` (answer the next k requests
+with an error status), and counters of requests, in-flight peak and reloads.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class FakeCompletionsServer:
         self.backend, self.latency, self.token_ids_field = backend, latency, token_ids_field
         self.hold = threading.Event()
         self.hold.set()  # clear() to make requests wait until set() again
+        self.pass_first = 0  # completions requests answered before hold and started apply (a probe)
         self.started = threading.Event()  # set when a completions request arrives
         self.requests = 0
         self.in_flight = self.max_in_flight = 0
@@ -118,9 +120,11 @@ class FakeCompletionsServer:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             status = self._fail.pop(0) if self._fail else 200
-        self.started.set()
+            passed = self.requests <= self.pass_first
         try:
-            self.hold.wait()
+            if not passed:
+                self.started.set()
+                self.hold.wait()
             if self.latency:
                 time.sleep(self.latency)
             if status != 200:

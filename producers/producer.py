@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 2.0  # well under the 5 s others treat as alive
 MAX_SAMPLER_FAILURES = 10  # rows in a row refused by the engine before the producer gives up
-SYSTEMIC_STREAK = 3  # rows in a row failing the same way: the engine's or the weights' fault
+SYSTEMIC_ROWS = 3  # different rows failing the same way in a row: the engine's or the weights' fault
 
 
 class Producer:
@@ -108,7 +108,7 @@ class Producer:
         self._counting = threading.Lock()  # publishes may finish in worker threads
         self.in_flight = 0  # rows between claim and publish/drop/hand-back
         self._failures = 0
-        self._streak: list[tuple[str, int]] = []  # (failure, row) of the rollouts failed in a row
+        self._streak: list[tuple[str, int, int]] = []  # (failure, ticket, row) failed since a success
         self._who, self._problem = f"producer {producer_id}", False  # in status's problems
         self._gate: WeightGate | None = None
         self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.producer_cfg.lease_seconds / 3))
@@ -327,13 +327,13 @@ class Producer:
             if isinstance(leaf, PrefixMismatch):
                 self.pending.add("prefix_mismatches")
         self.pending.add(f"episodes_dropped_{reason}", self.producer_cfg.group_size)
-        if self._systemic(why, pos.row):  # not the row's fault: no attempt counted
-            what = f"every row fails the same way ({len(self._streak)} rows in a row): rollout {why}"
+        if self._systemic(why, ticket, pos.row):  # not the rows' fault: no attempt counted
+            what = f"every row fails the same way ({len(self._streak)} rollouts in a row): rollout {why}"
             log.error("%s; not counted against the rows (engine or weights?), backing off", what)
             self._hand_back(ticket)
             problems.report(self.client, self.keys, self._who, what)
             self._problem = True
-            await self._backoff(min(30.0, 0.5 * 2 ** (len(self._streak) - SYSTEMIC_STREAK)))
+            await self._backoff(min(30.0, 0.5 * 2 ** min(len(self._streak) - SYSTEMIC_ROWS, 6)))
             return None
         # counted on the server per row (streamer/admission.py): after producer.max_row_attempts
         # failed attempts, by any producer, the next claim skips the row with this reason
@@ -341,15 +341,24 @@ class Producer:
         self._hand_back(ticket, error=f"rollout {why}")
         return None
 
-    def _systemic(self, why: str, row: int) -> bool:
-        """Whether the last SYSTEMIC_STREAK failed rollouts, on as many different rows, failed
-        the same way (numbers aside): a failure every row shares is not the rows' fault."""
-        self._streak = [*self._streak[-20:], (re.sub(r"\d+", "#", why)[:200], row)]
-        recent = self._streak[-SYSTEMIC_STREAK:]
-        same = len({w for w, _ in recent}) == 1 and len({r for _, r in recent}) == len(recent)
-        if not same:
-            self._streak = recent[-1:]
-        return same and len(recent) == SYSTEMIC_STREAK
+    def _systemic(self, why: str, ticket: int, row: int) -> bool:
+        """Whether the rollouts failed since the last success all failed the same way (numbers
+        aside) on SYSTEMIC_ROWS different rows or more: a failure every row shares is not the
+        rows' fault. The first time it shows, the attempts it charged are forgiven (a row
+        skipped for them is handed out again)."""
+        key = re.sub(r"\d+", "#", why)[:200]
+        if self._streak and self._streak[-1][0] != key:
+            self._streak = []
+        before = len({r for _, _, r in self._streak})
+        self._streak = [*self._streak[-50:], (key, ticket, row)]
+        if len({r for _, _, r in self._streak}) < SYSTEMIC_ROWS:
+            return False
+        if before < SYSTEMIC_ROWS:  # it shows now
+            unskipped = self.leases.forgive(t for _, t, _ in self._streak)
+            log.warning(
+                "forgave the failed attempts of %d rows (%d had been skipped)", len(self._streak), unskipped
+            )
+        return True
 
     def _check(self, episodes: list, pos) -> list[tuple]:
         """(Sample, Episode) of every episode that passes :func:`producers.rollout.to_sample`."""

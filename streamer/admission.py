@@ -175,6 +175,20 @@ return 1
 """
 
 
+# KEYS: attempts errors skipped requeue ; ARGV: tickets -> how many were un-skipped
+_FORGIVE = """
+local unskipped = 0
+for _, t in ipairs(ARGV) do
+  redis.call('HDEL', KEYS[1], t)
+  redis.call('HDEL', KEYS[2], t)
+  if redis.call('HDEL', KEYS[3], t) == 1 then
+    redis.call('LPUSH', KEYS[4], t)
+    unskipped = unskipped + 1
+  end
+end
+return unskipped
+"""
+
 # KEYS: admitted limits [lease_owner lease_slots] ; ARGV: staleness per_step [ticket owner]
 # With a leased ticket the slot is recorded as the lease's in the same step: a retried call
 # (its first reply lost to a timeout) finds it and takes no second slot; a lease that is
@@ -359,6 +373,7 @@ class Leases:
         self._renew = client.register_script(_RENEW)
         self._publish = client.register_script(_PUBLISH)
         self._end = client.register_script(_END)
+        self._forgive = client.register_script(_FORGIVE)
 
     def claim(self) -> int:
         """A ticket (>= 0) now leased to us, or :data:`EXHAUSTED` / :data:`WAIT`."""
@@ -413,6 +428,17 @@ class Leases:
         ``max_attempts`` of them the row is skipped instead of handed out again.
         """
         return self._end_lease(ticket, requeue=True, error=error)
+
+    def forgive(self, tickets: Iterable[int]) -> int:
+        """Forget the failed attempts of ``tickets`` (their failures were not theirs: every row
+        failed the same way); one skipped for them is handed out again. Returns how many were
+        skipped."""
+        k = self.keys
+        return int(
+            self._forgive(
+                keys=[k.row_attempts, k.row_errors, k.skipped_rows, k.requeue], args=sorted(set(tickets))
+            )
+        )
 
     def _end_lease(self, ticket: int, *, requeue: bool, error: str = "") -> bool:
         k = self.keys

@@ -90,14 +90,20 @@ def test_an_engine_that_goes_down_is_waited_out_and_nothing_is_lost(client, keys
         producer={"group_size": 2, "max_new_tokens": 2, "max_groups": 6, "remote_retries": 0},
         trainer={"groups_per_step": 1000},
     )
-    with FakeCompletionsServer(canned([10, EOS])) as server:
+    answer, calls = canned([10, EOS]), []
+
+    def backend(body):  # the probe and two groups, then down until the test says otherwise
+        calls.append(1)
+        if len(calls) == 3:
+            server.fail_next(1_000_000, status=503)
+        return answer(body)
+
+    with FakeCompletionsServer(backend) as server:
         cfg = replace(cfg, producer={"sampler": "remote", "remote_url": server.url})
         task, sampler = build(cfg)
         producer = Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler)
         done = threading.Thread(target=producer.run, daemon=True)
         done.start()
-        wait_until(lambda: producer.published >= 2, timeout=60, what="two groups before the outage")
-        server.fail_next(1_000_000, status=503)
         snap = wait_until(
             lambda: (s := status.snapshot(client, keys)).problems and s,
             timeout=60,

@@ -253,6 +253,7 @@ def test_three_processes_cover_each_epoch_exactly_once(client, keys, redis_url, 
 @pytest.mark.slow
 def test_a_sigkilled_producers_row_is_handed_out_again(client, keys, redis_url, tmp_path):
     with FakeCompletionsServer(canned([10, 5])) as server:  # answers "4" then EOS
+        server.pass_first = 1  # the producer's readiness probe
         server.hold.clear()  # requests wait: the first producer dies mid-row
         config = _write_config(
             tmp_path,
@@ -282,6 +283,7 @@ def test_a_sigkilled_producers_row_is_handed_out_again(client, keys, redis_url, 
 @pytest.mark.slow
 def test_sigterm_hands_the_row_back_within_the_grace_period(client, keys, redis_url, tmp_path):
     with FakeCompletionsServer(canned([10, 5])) as server:
+        server.pass_first = 1  # the producer's readiness probe
         server.hold.clear()  # sampling never finishes: the grace period decides
         config = _write_config(
             tmp_path, keys, redis_url, sampler="remote", remote_url=server.url, shutdown_grace=1.0
