@@ -88,6 +88,8 @@ ROLLOUT: dict[str, tuple[Kind, str]] = {
     },
 }
 
+DEFAULT_EVAL_SET = "default"  # the eval set of the [eval] keys, and of an event that names none
+
 # one event per eval set (MetricsEvent.eval_set); the exporter labels these with `set`
 EVAL: dict[str, tuple[Kind, str]] = {
     "reward_mean": ("gauge", "mean reward of the set's samples"),

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from schemas.metric_names import DEFAULT_EVAL_SET
 from streamer.errors import ConfigError
 from streamer.keys import Keys
 
@@ -234,7 +235,7 @@ class TrainerSection(_Section):
 
 
 SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # an eval set's name: a Prometheus label value
-DEFAULT_SET = "default"  # the eval set of the [eval] keys themselves
+DEFAULT_SET = DEFAULT_EVAL_SET  # the eval set of the [eval] keys themselves
 
 
 class EvalSetSection(_Section):
