@@ -105,7 +105,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of one row: c successes among n samples, 1 - C(n-c, k) / C(n, k)."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # comb(m, k) = 0 when k > m
+    total = math.comb(n, k)  # exact integers, one correctly rounded division
+    return (total - math.comb(n - c, k)) / total  # comb(m, k) = 0 when k > m
 
 
 def summarize(scores: list[RowScores], *, n: int, k: int) -> dict[str, float]:
