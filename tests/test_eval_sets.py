@@ -9,11 +9,14 @@ import math
 import re
 from fractions import Fraction
 
+import msgspec
 import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from consumers import saved_state
 from consumers.exporter import Exporter
+from consumers.metrics_state import State
 from producers import eval_sets
 from producers.components import eval_sampler
 from producers.eval_sets import RowScores, pass_at_k, summarize
@@ -23,7 +26,8 @@ from producers.render import Renderer
 from producers.samplers import Completion
 from schemas import MetricsEvent, WeightSync, decode, encode
 from schemas.metric_names import EVAL
-from streamer import cli, demo, models, weights
+from streamer import cli, demo, models, plot, weights
+from streamer.bus import Publisher
 from streamer.config import RunConfig, replace
 from streamer.errors import DatasetError
 
@@ -229,3 +233,52 @@ def test_eval_sets_rows_without_the_rewards_field_are_a_config_error_naming_the_
     cfg = replace(cfg, producer={"reward": "producers.rewards:exact_match"})
     with pytest.raises(DatasetError, match="eval set 'arith'"):
         eval_sets.prepare(cfg)
+
+
+def _set_event(version: int, name: str, accuracy: float, best: float, k: int) -> MetricsEvent:
+    values = {"accuracy": accuracy, "mean_at_k": accuracy, "pass_at_k": best, "k": float(k)}
+    return MetricsEvent(axis="eval", step=version, values=values, source="eval", eval_set=name)
+
+
+def test_eval_sets_keep_their_series_across_an_exporter_snapshot_and_their_own_curves(
+    client, keys, redis_url, tmp_path
+):
+    events = [
+        MetricsEvent(axis="eval", step=0, values={"accuracy": 0.1}, source="eval"),  # names no set
+        _set_event(0, "math", 0.2, 0.5, 4),
+        _set_event(5, "default", 0.3, 0.3, 1),
+        _set_event(5, "math", 0.4, 0.75, 4),
+    ]
+    Publisher(client, keys, RunConfig().bus).publish_many(keys.metrics, events)
+    cfg = replace(RunConfig(), run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)})
+    first = Exporter(replace(cfg, metrics={"port": 0}))
+    first.bootstrap()
+    first.save_snapshot()
+    first.close()
+    client.xtrim(keys.metrics, maxlen=0)  # only the snapshot is left to restore from
+    served = _served(cfg)
+    assert (
+        served["streamer_eval_accuracy", "default"] == 0.3 and served["streamer_eval_accuracy", "math"] == 0.4
+    )
+    assert served["streamer_eval_pass_at_k", "math"] == 0.75 and served["streamer_eval_k", "math"] == 4
+
+    history = plot.load_history(client, keys)
+    assert history.eval_set == "default" and history.eval_accuracy == 0.3  # the headline: default
+    assert history.eval_by_version.means() == {0: 0.1, 5: 0.3}
+    math_curves = history.eval_sets["math"]
+    assert math_curves.k == 4 and math_curves.pass_at_k.means() == {0: 0.5, 5: 0.75}
+    assert history.eval_sets["default"].accuracy.means() == {0: 0.1, 5: 0.3}
+    pytest.importorskip("matplotlib")
+    assert plot.draw(history, tmp_path / "run.png", title="sets").stat().st_size > 20_000
+
+
+def test_eval_sets_restore_a_snapshot_saved_before_sets_under_the_default_set():
+    state = State()
+    state.apply("1-0", MetricsEvent(axis="eval", step=3, values={"accuracy": 0.5}, source="eval"))
+    snap = saved_state.capture(state)
+    old = msgspec.structs.replace(  # as an exporter without sets saved it
+        snap, gauges={"streamer_eval_accuracy": 0.5}, set_gauges=[], sets={}
+    )
+    restored = saved_state.restore(old)
+    assert restored.set_gauges == {("streamer_eval_accuracy", "default"): 0.5}
+    assert "streamer_eval_accuracy" not in restored.gauges
