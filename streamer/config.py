@@ -234,7 +234,7 @@ class TrainerSection(_Section):
             )
 
 
-SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # an eval set's name: a Prometheus label value
+SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # an eval set's name: a bare TOML key, a label value
 DEFAULT_SET = DEFAULT_EVAL_SET  # the eval set of the [eval] keys themselves
 
 
@@ -283,7 +283,7 @@ class EvalSection(_Section):
         for name in self.sets:
             if name == DEFAULT_SET or not SET_NAME.fullmatch(name):
                 raise ValueError(
-                    f"`sets` has a set named {name!r}: use letters, digits, _ . - (at most 64), "
+                    f"`sets` has a set named {name!r}: use letters, digits, _ and - (at most 64), "
                     f'not {DEFAULT_SET!r} (the set of the [eval] keys; set eval.dataset = "" to drop it)'
                 )
         if not self.dataset and not self.sets:

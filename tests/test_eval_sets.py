@@ -28,8 +28,8 @@ from schemas import MetricsEvent, WeightSync, decode, encode
 from schemas.metric_names import EVAL
 from streamer import cli, demo, models, plot, weights
 from streamer.bus import Publisher
-from streamer.config import RunConfig, replace
-from streamer.errors import DatasetError
+from streamer.config import RunConfig, parse_config, replace
+from streamer.errors import ConfigError, DatasetError
 
 
 def _brute_pass_at_k(n: int, c: int, k: int) -> Fraction:
@@ -282,3 +282,25 @@ def test_eval_sets_restore_a_snapshot_saved_before_sets_under_the_default_set():
     restored = saved_state.restore(old)
     assert restored.set_gauges == {("streamer_eval_accuracy", "default"): 0.5}
     assert "streamer_eval_accuracy" not in restored.gauges
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[eval.sets.math]\nk = 4\n", "key `eval.sets.math.dataset`: is required"),
+        ('[eval.sets.math]\ndataset = "demo"\nk = 0\n', "key `eval.sets.math.k`: must be >= 1"),
+        ('[eval.sets.math]\ndataset = "demo"\nkk = 2\n', "unknown key `eval.sets.math.kk`"),
+        ('[eval.sets.math]\ndataset = "demo"\nk = 4\n', "key `eval.sets.math.temperature`: = 0 is greedy"),
+        (
+            '[eval.sets.math]\ndataset = "demo"\nk = 4\nsamples = 2\ntemperature = 1.0\n',
+            "key `eval.sets.math.samples`: (2) must be >= `k` (4)",
+        ),
+        ('[eval.sets.default]\ndataset = "demo"\n', "set named 'default'"),
+        ('[eval.sets."a b"]\ndataset = "demo"\n', "set named 'a b'"),
+        ('[eval]\ndataset = ""\n', "nothing to evaluate"),
+    ],
+)
+def test_eval_sets_config_errors_name_the_set_and_the_key(toml, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(toml)
+    assert message in str(err.value), str(err.value)
