@@ -27,6 +27,7 @@ from producers import rewards
 from producers.dataset import check_required, load_rows
 from streamer.config import DEFAULT_SET, EvalSetSection, RunConfig
 from streamer.errors import ConfigError, DatasetError
+from streamer.imports import load_function
 from streamer.rollout_types import DEFAULT_ROLLOUT, RewardFn
 
 __all__ = ["EvalSet", "RowScores", "pass_at_k", "prepare", "summarize"]
@@ -78,13 +79,15 @@ def prepare(cfg: RunConfig) -> list[EvalSet]:
 def _prepare(cfg: RunConfig, name: str, s: EvalSetSection) -> EvalSet:
     where = f"eval set {name!r} ({s.dataset})"
     path = rewards.default_path(s.reward or cfg.producer.reward, s.dataset)
+    rollout = s.rollout or cfg.producer.rollout
     try:
         rows = load_rows(s.dataset, split="eval")
         reward_fn = rewards.load(path)
+        if not rollout.startswith(("http://", "https://")):
+            load_function(rollout or DEFAULT_ROLLOUT, what="rollout")
     except (ConfigError, ValueError) as e:
         raise DatasetError(f"{where}: {e}") from None
     rows = rows[: s.max_rows] if s.max_rows else rows
-    rollout = s.rollout or cfg.producer.rollout
     if rollout in ("", DEFAULT_ROLLOUT):  # a rollout of the user's may score rows its own way
         check_required(rows, getattr(reward_fn, "required_fields", ()), source=where, reward=path)
     return EvalSet(

@@ -47,7 +47,7 @@ from streamer.bus import Publisher
 from streamer.config import DEFAULT_SET, RunConfig
 from streamer.connection import connect, retrying
 from streamer.keys import Keys
-from streamer.rollout_types import Task
+from streamer.rollout_types import Rollout, Task
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class _Prepared:
     spec: EvalSet
     task: Task
     prompts: list[list[int]]  # rendered rows of a single-turn set (empty otherwise)
+    rollout: Rollout
 
 
 class Evaluator:
@@ -80,7 +81,7 @@ class Evaluator:
         if sets is None:
             sets, renderer = [_default_set(cfg, task)], task.renderer
         self.sets = [_prepare(s, renderer) for s in sets]
-        self.batched = getattr(sampler, "max_parallel", 1) == 1 and hasattr(sampler, "sample_many")
+        self.in_process = getattr(sampler, "max_parallel", 1) == 1 and hasattr(sampler, "sample_many")
         self.follower = WeightFollower(
             client,
             self.keys,
@@ -154,14 +155,14 @@ class Evaluator:
         return version
 
     def _score(self, s: _Prepared, version: int) -> list[RowScores] | None:
-        if s.spec.single_turn and self.batched:
+        if s.spec.single_turn and self.in_process:
             return self._batched(s, version)
         spec = s.spec
         episodes = rollout_eval.evaluate(
             spec.rows,
             task=s.task,
             sampler=self.sampler,
-            rollout=rollouts.load(spec.rollout),
+            rollout=s.rollout,
             max_new_tokens=spec.max_new_tokens,
             n=spec.n,
             temperature=spec.temperature,
@@ -248,7 +249,7 @@ def _prepare(spec: EvalSet, renderer) -> _Prepared:
     prompts = (
         [_render(spec.name, task, row, i) for i, row in enumerate(spec.rows)] if spec.single_turn else []
     )
-    return _Prepared(spec, task, prompts)
+    return _Prepared(spec, task, prompts, rollouts.load(spec.rollout))
 
 
 def _describe(s: _Prepared) -> str:

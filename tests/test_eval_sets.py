@@ -189,7 +189,7 @@ def test_eval_sets_sample_through_a_server_and_score_pass_at_k_exactly(
             eval={"remote_url": fake.url} if where == "eval server" else {},
         )
         ev = _evaluator(cfg, client)
-        assert not ev.batched  # every engine call went to the server
+        assert not ev.in_process  # every engine call goes to the server
         ev.start()
         _sync(client, keys, cfg, 1)
         assert ev.step() == 1
@@ -232,6 +232,9 @@ def test_eval_sets_rows_without_the_rewards_field_are_a_config_error_naming_the_
     cfg = replace(RunConfig(), eval={"sets": {"arith": {"dataset": str(rows)}}})
     cfg = replace(cfg, producer={"reward": "producers.rewards:exact_match"})
     with pytest.raises(DatasetError, match="eval set 'arith'"):
+        eval_sets.prepare(cfg)
+    cfg = replace(RunConfig(), eval={"sets": {"agent": {"dataset": "demo", "rollout": "no_such_module:run"}}})
+    with pytest.raises(DatasetError, match="eval set 'agent'.*no_such_module"):
         eval_sets.prepare(cfg)
 
 
