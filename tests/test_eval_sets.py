@@ -30,6 +30,7 @@ from streamer import cli, demo, models, plot, weights
 from streamer.bus import Publisher
 from streamer.config import RunConfig, parse_config, replace
 from streamer.errors import ConfigError, DatasetError
+from streamer.progress import Progress
 
 
 def _brute_pass_at_k(n: int, c: int, k: int) -> Fraction:
@@ -271,6 +272,11 @@ def test_eval_sets_keep_their_series_across_an_exporter_snapshot_and_their_own_c
     math_curves = history.eval_sets["math"]
     assert math_curves.k == 4 and math_curves.pass_at_k.means() == {0: 0.5, 5: 0.75}
     assert history.eval_sets["default"].accuracy.means() == {0: 0.1, 5: 0.3}
+    progress = Progress(cfg, target_steps=0, live=False)  # `up`'s view, from the same snapshot
+    summary = progress.summary(1.0, tmp_path)
+    progress.client.close()
+    assert "eval accuracy      0.30 (version 5)" in summary, summary
+    assert "eval set math      mean@4 0.40, pass@4 0.75 (version 5)" in summary, summary
     pytest.importorskip("matplotlib")
     assert plot.draw(history, tmp_path / "run.png", title="sets").stat().st_size > 20_000
 
