@@ -115,7 +115,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def summarize(scores: list[RowScores], *, n: int, k: int) -> dict[str, float]:
     """A set's metrics (names of ``schemas.metric_names.EVAL`` but the timing)."""
     rows = len(scores)
-    successes = [min(sum(s.successes[:n]), n) for s in scores]
+    successes = [sum(s.successes[:n]) for s in scores]  # c of each row
     lengths = [x for s in scores for x in s.lengths[:n]]
     mean_at_k = sum(c / n for c in successes) / rows
     return {

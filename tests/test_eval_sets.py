@@ -313,3 +313,18 @@ def test_eval_sets_config_errors_name_the_set_and_the_key(toml, message):
     with pytest.raises(ConfigError) as err:
         parse_config(toml)
     assert message in str(err.value), str(err.value)
+
+
+def test_eval_sets_label_is_bounded(monkeypatch):
+    monkeypatch.setattr("consumers.metrics_state.MAX_SET_LABELS", 2)
+    state = State()
+    for i, name in enumerate(("", "a", "b", "c")):
+        state.apply(
+            f"{i + 1}-0",
+            MetricsEvent(axis="eval", step=1, values={"rows": float(i)}, source="eval", eval_set=name),
+        )
+    assert state.set_gauges == {
+        ("streamer_eval_rows", "default"): 0.0,
+        ("streamer_eval_rows", "a"): 1.0,
+        ("streamer_eval_rows", "other"): 3.0,  # b, then c: the latest
+    }
