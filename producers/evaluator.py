@@ -41,6 +41,7 @@ from producers.eval_sets import EvalSet, RowScores, summarize
 from producers.follow import WeightFollower
 from producers.render import Renderer
 from producers.rewards import score
+from producers.samplers import SamplerError
 from schemas import MetricsEvent, WeightSync
 from streamer import lifecycle, models, rollout_eval
 from streamer.bus import Publisher
@@ -106,7 +107,7 @@ class Evaluator:
     def start(self) -> None:
         """Evaluate the newest version's weights (or the initial ones, version 0)."""
         sync = self.follower.tail.latest()  # also moves the cursor: only newer ones follow
-        if sync is None or self.follower.load(sync):
+        if sync is None or self._wait_out_engine(lambda: self.follower.load(sync), "loading weights"):
             self.evaluate(self.follower.version)
 
     def step(self, *, block: float = 0.0) -> int | None:
@@ -116,7 +117,8 @@ class Evaluator:
             s for s in syncs if s.version % self.eval_cfg.eval_every == 0 and s.version > self._last()
         ]
         for sync in sorted(eligible, key=lambda s: s.version, reverse=True):
-            if self.follower.load(sync):  # the newest that loads; older ones are skipped
+            loaded = self._wait_out_engine(functools.partial(self.follower.load, sync), "loading weights")
+            if loaded:  # the newest that loads; older ones are skipped
                 skipped = len(eligible) - 1
                 if skipped:
                     log.info("behind: evaluating version %d, skipping %d older ones", sync.version, skipped)
@@ -127,7 +129,7 @@ class Evaluator:
         """Score every set with the loaded weights; one metrics event per set."""
         for s in self.sets:
             start = time.monotonic()
-            scores = None if self.stop.is_set() else self._score(s, version)
+            scores = self._wait_out_engine(functools.partial(self._score, s, version), f"set {s.spec.name}")
             if scores is None:
                 log.info(
                     "stopped during the evaluation of version %d: set %s not published", version, s.spec.name
@@ -199,6 +201,21 @@ class Evaluator:
                 lengths = [len(c.token_ids) for c in completions]
                 out.append(RowScores(rewards, [r > 0 for r in rewards], lengths))
         return out
+
+    def _wait_out_engine(self, fn, what: str):
+        """``fn()``, again and again while the engine cannot be reached (an outage is never a
+        score); None once stopped. An engine that refuses (4xx) raises."""
+        delay = 0.5
+        while not self.stop.is_set():
+            try:
+                return fn()
+            except SamplerError as e:
+                if e.refused:
+                    raise
+                log.warning("%s: engine unreachable (%s); trying again in %.1fs", what, e, delay)
+                self.stop.wait(delay)
+                delay = min(2 * delay, 30.0)
+        return None
 
     def _seed(self, spec: EvalSet, version: int, batch: int = 0) -> int | None:
         """None when greedy; else fixed by the run's seed, the set, the version and the batch."""

@@ -275,7 +275,9 @@ class EvalSection(_Section):
     max_new_tokens: PosInt = 16  # completion length cap (and of the sets that leave theirs 0)
     batch_size: PosInt = 32  # prompts per batched generate of a local model; rows in flight of a rollout
     max_versions: NonNegInt = 0  # stop after evaluating this many versions; 0 = forever (tests: burst)
-    remote_url: str = ""  # an OpenAI-compatible server of the evaluator's own; "" = sample like producers
+    remote_url: str = (
+        ""  # a server of the evaluator's own (engine: producer.engine); "" = sample like producers
+    )
     remote_model: str = ""  # model name sent to eval.remote_url; empty = model.name_or_path
     sets: dict[str, EvalSetSection] = {}  # [eval.sets.NAME]: more named sets, evaluated after "default"
 
@@ -349,6 +351,14 @@ class RunConfig(_Section):
             raise ValueError(
                 "key `trainer.fsdp`: LoRA adapters (`model.lora.rank` > 0) are not supported with FSDP yet"
             )
+
+    @property
+    def untied_versions(self) -> bool:
+        """Versions are written untied when a vLLM server loads them: the producers' or the
+        evaluator's own (``eval.remote_url``, served by the same ``producer.engine``)."""
+        return self.producer.untied_versions or (
+            bool(self.eval.remote_url) and self.producer.engine == "vllm"
+        )
 
     @property
     def run_dir(self) -> Path:

@@ -6,7 +6,9 @@ when it has none of its own): each row is one group of n episodes (G = n) at the
 temperature, up to ``concurrency`` rows at once. On an in-process model their engine calls
 are batched into few ``sample_many`` calls by a :class:`MicroBatcher`; on a server each
 call is its own request, at most the sampler's ``max_parallel`` in flight. A row whose
-rollout raises returns no episodes (its samples count as failures).
+rollout raises returns no episodes (its samples count as failures), except for an engine
+that cannot be reached (a :class:`SamplerError` that is not ``refused``): that is an
+outage, not a score, and the evaluation stops with it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import anyio
 
 from streamer.batching import MicroBatcher
+from streamer.errors import SamplerError
 from streamer.rollout_types import Episode, Rollout, RolloutContext, SampleFn, Task
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,10 @@ def evaluate(
         async with limiter:
             try:
                 out[i] = list(await rollout(row, ctx))
+            except SamplerError as e:
+                if not e.refused:
+                    raise  # the engine is down: nothing of this evaluation is a score
+                log.warning("eval row %d: the engine refused it: %s (counted as failed)", i, e)
             except Exception as e:  # a user function: the row's samples fail, the evaluation goes on
                 log.warning("eval row %d: rollout raised %s: %s (counted as failed)", i, type(e).__name__, e)
 
@@ -63,8 +70,20 @@ def evaluate(
             for i, row in enumerate(rows):
                 tg.start_soon(one, i, row, ctx, limiter)
 
-    anyio.run(main)
+    try:
+        anyio.run(main)
+    except BaseExceptionGroup as group:  # the outage itself, not a group of one
+        outage = group.subgroup(lambda e: isinstance(e, SamplerError))
+        if outage is None:
+            raise
+        raise _first(outage) from group
     return out
+
+
+def _first(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
 
 
 def sample_fn(sampler, version: int) -> SampleFn:

@@ -169,7 +169,7 @@ def _remote_backend(tokenizer, stop_id: int, right_of):
     return backend
 
 
-@pytest.mark.parametrize("where", ["producers' server", "eval server"])
+@pytest.mark.parametrize("where", ["producers' server", "eval server", "eval server, down at first"])
 def test_eval_sets_sample_through_a_server_and_score_pass_at_k_exactly(
     where, client, keys, redis_url, tmp_path
 ):
@@ -181,13 +181,15 @@ def test_eval_sets_sample_through_a_server_and_score_pass_at_k_exactly(
     fake = FakeCompletionsServer(_remote_backend(tokenizer, tokenizer.eos_token_id, right_of)).start()
     try:
         server = {"sampler": "remote", "remote_url": fake.url} if where == "producers' server" else {}
+        down = 5 if where.endswith("down at first") else 0
+        fake.fail_next(down)  # 503s: an outage is waited out, never scored
         cfg = _cfg(
             keys,
             redis_url,
             tmp_path,
             sets={"pass4": {"dataset": "demo", "k": 2, "samples": 4, "temperature": 0.7}},
-            producer=server,
-            eval={"remote_url": fake.url} if where == "eval server" else {},
+            producer={**server, "remote_retries": 0},
+            eval={"remote_url": fake.url} if where.startswith("eval server") else {},
         )
         ev = _evaluator(cfg, client)
         assert not ev.in_process  # every engine call goes to the server
@@ -208,6 +210,7 @@ def test_eval_sets_sample_through_a_server_and_score_pass_at_k_exactly(
     settings = {(b["n"], b["temperature"]) for b in fake.bodies}
     assert settings == {(1, 0.0), (4, 0.7)}, settings
     assert fake.reloads == [str(weights.version_dir(cfg.weights_dir, 1))]  # version 1 reached the engine
+    assert fake.requests >= 2 * (6 + 10) + down
 
 
 def test_eval_sets_rows_without_the_rewards_field_are_a_config_error_naming_the_set(
