@@ -64,7 +64,7 @@ class History(msgspec.Struct, kw_only=True):
     eval_by_version: Curve = msgspec.field(default_factory=Curve)
     loss_by_step: Curve = msgspec.field(default_factory=Curve)
     staleness_by_step: Curve = msgspec.field(default_factory=Curve)
-    eval_set: str = ""  # the set eval_step / eval_accuracy / eval_by_version follow: the first seen
+    headline_set: str = ""  # the set eval_step / eval_accuracy / eval_by_version follow: the first seen
     eval_sets: dict[str, SetCurves] = msgspec.field(default_factory=dict)
 
     def apply(self, e: MetricsEvent) -> None:
@@ -85,8 +85,8 @@ class History(msgspec.Struct, kw_only=True):
         elif e.axis == "eval":
             name = e.eval_set or DEFAULT_EVAL_SET
             self._apply_set(name, e.step, v)
-            self.eval_set = self.eval_set or name  # the evaluator scores the default set first
-            if name != self.eval_set:
+            self.headline_set = self.headline_set or name  # the evaluator scores the default set first
+            if name != self.headline_set:
                 return
             if (acc := v.get("accuracy")) is not None:
                 self.eval_by_version.add(e.step, acc)

@@ -49,7 +49,11 @@ def draw(history: History, path: Path, *, title: str) -> Path:
     reward, acc = history.reward_by_version.means(), history.eval_by_version.means()
     ax_v.plot(list(reward), list(reward.values()), ".-", ms=3, label="rollout reward (mean)")
     ax_v.plot(
-        list(acc), list(acc.values()), "o-", ms=4, label=f"eval accuracy ({history.eval_set or 'held-out'})"
+        list(acc),
+        list(acc.values()),
+        "o-",
+        ms=4,
+        label=f"eval accuracy ({history.headline_set or 'held-out'})",
     )
     ax_v.set(xlabel="policy version", title="reward and accuracy")
     ax_v.legend(loc="lower right")

@@ -154,7 +154,7 @@ class Progress:
         out = []
         for name, c in self.history.eval_sets.items():
             mean, best = c.accuracy.means(), c.pass_at_k.means()
-            if name == self.history.eval_set or not mean:
+            if name == self.history.headline_set or not mean:
                 continue
             v = max(mean)
             out.append(

@@ -270,7 +270,7 @@ def test_eval_sets_keep_their_series_across_an_exporter_snapshot_and_their_own_c
     assert served["streamer_eval_pass_at_k", "math"] == 0.75 and served["streamer_eval_k", "math"] == 4
 
     history = plot.load_history(client, keys)
-    assert history.eval_set == "default" and history.eval_accuracy == 0.3  # the headline: default
+    assert history.headline_set == "default" and history.eval_accuracy == 0.3  # the headline: default
     assert history.eval_by_version.means() == {0: 0.1, 5: 0.3}
     math_curves = history.eval_sets["math"]
     assert math_curves.k == 4 and math_curves.pass_at_k.means() == {0: 0.5, 5: 0.75}
