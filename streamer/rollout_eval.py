@@ -13,6 +13,7 @@ outage, not a score, and the evaluation stops with it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -47,7 +48,7 @@ def evaluate(
     async def one(i: int, row: dict, ctx: RolloutContext, limiter: anyio.CapacityLimiter) -> None:
         async with limiter:
             try:
-                out[i] = list(await rollout(row, ctx))
+                out[i] = list(await rollout(copy.deepcopy(row), ctx))  # every version sees the same row
             except SamplerError as e:
                 if not e.refused:
                     raise  # the engine is down: nothing of this evaluation is a score
@@ -68,7 +69,7 @@ def evaluate(
         limiter = anyio.CapacityLimiter(concurrency or max(1, len(rows)))
         async with anyio.create_task_group() as tg:
             for i, row in enumerate(rows):
-                tg.start_soon(one, i, row, ctx, limiter)
+                tg.start_soon(one, i, row, ctx.with_seed(seed * 7919 + i), limiter)
 
     try:
         anyio.run(main)

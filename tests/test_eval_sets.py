@@ -26,11 +26,12 @@ from producers.render import Renderer
 from producers.samplers import Completion
 from schemas import MetricsEvent, WeightSync, decode, encode
 from schemas.metric_names import EVAL
-from streamer import cli, demo, models, plot, weights
+from streamer import cli, demo, models, plot, rollout_eval, weights
 from streamer.bus import Publisher
 from streamer.config import RunConfig, parse_config, replace
 from streamer.errors import ConfigError, DatasetError
 from streamer.progress import Progress
+from streamer.rollout_types import Episode, Segment, Task
 
 
 def _brute_pass_at_k(n: int, c: int, k: int) -> Fraction:
@@ -331,3 +332,16 @@ def test_eval_sets_label_is_bounded(monkeypatch):
         ("streamer_eval_rows", "a"): 1.0,
         ("streamer_eval_rows", "other"): 3.0,  # b, then c: the latest
     }
+
+
+def test_eval_sets_rollouts_get_a_fresh_copy_of_each_row_every_evaluation():
+    async def mutating(row: dict, ctx) -> list[Episode]:
+        row["messages"].append({"role": "user", "content": "again"})  # a rollout that writes its row
+        return [Episode([Segment([1, 2])], reward=float(len(row["messages"])))]
+
+    rows = demo.rows("eval")[:3]
+    task = Task(rows=rows, renderer=None, reward_fn=demo.reward, reward_path="streamer.demo:reward")
+    for _ in range(2):
+        out = rollout_eval.evaluate(rows, task=task, sampler=object(), rollout=mutating, max_new_tokens=2)
+        assert [[e.reward for e in eps] for eps in out] == [[2.0]] * 3
+    assert all(len(r["messages"]) == 1 for r in rows)
