@@ -20,7 +20,9 @@ Naming. Gauges in the catalog (:mod:`schemas.metric_names`) serve the latest val
 ``streamer_{axis}_{name}``; counters are per-event increments summed into
 ``streamer_{axis}_{name}_total``. Rollout counters carry one bounded label, ``producer``
 (the id after ``producer-`` in the event's source); after ``MAX_PRODUCER_LABELS`` (32)
-distinct ids, further producers are counted under ``producer="other"``. Unknown names
+distinct ids, further producers are counted under ``producer="other"``. Eval gauges carry
+``set``, the event's eval set (``default`` when it names none; after ``MAX_SET_LABELS``
+(16) distinct sets, ``set="other"``). Unknown names
 are exported as sanitised gauges (at most ``MAX_UNKNOWN_NAMES``, 64), or ignored when
 they would collide with a defined series or use a reserved suffix; either way one log
 line per name, never a crash. :data:`SERIES` lists every series the exporter defines;

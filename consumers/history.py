@@ -1,8 +1,8 @@
 """The run's curves as a fold of metrics events, bounded whatever the run's length.
 
 :class:`History` is what `up`'s progress view prints and what `streamer plot` draws:
-rollout reward and eval accuracy against policy version, loss and staleness against train
-step. Each curve is a :class:`Curve` of (sum, count) per x bucket; past ``MAX_POINTS``
+rollout reward and eval accuracy against policy version (and each eval set's mean@k and
+pass@k), loss and staleness against train step. Each curve is a :class:`Curve` of (sum, count) per x bucket; past ``MAX_POINTS``
 buckets the bucket width doubles and neighbours merge, so a curve holds at most
 ``MAX_POINTS`` points over any number of steps. It is a msgspec Struct: the exporter
 saves it inside its state snapshot (:mod:`consumers.saved_state`), so the metrics stream can
@@ -14,9 +14,11 @@ from __future__ import annotations
 import msgspec
 
 from schemas import MetricsEvent
+from schemas.metric_names import DEFAULT_EVAL_SET
 
 MAX_POINTS = 2048
 WINDOW = 32  # rollout groups in the moving mean of reward
+MAX_SETS = 16  # eval sets with curves of their own; later ones are not drawn
 
 
 class Curve(msgspec.Struct, kw_only=True):
@@ -43,6 +45,14 @@ class Curve(msgspec.Struct, kw_only=True):
         return {x: n for x, (_, n) in sorted(self.points.items())}
 
 
+class SetCurves(msgspec.Struct, kw_only=True):
+    """One eval set's scores by policy version."""
+
+    k: int = 1  # the k of its pass@k
+    accuracy: Curve = msgspec.field(default_factory=Curve)  # mean@k
+    pass_at_k: Curve = msgspec.field(default_factory=Curve)
+
+
 class History(msgspec.Struct, kw_only=True):
     train_step: int = 0
     groups: int = 0
@@ -54,6 +64,8 @@ class History(msgspec.Struct, kw_only=True):
     eval_by_version: Curve = msgspec.field(default_factory=Curve)
     loss_by_step: Curve = msgspec.field(default_factory=Curve)
     staleness_by_step: Curve = msgspec.field(default_factory=Curve)
+    headline_set: str = ""  # the set eval_step / eval_accuracy / eval_by_version follow: the first seen
+    eval_sets: dict[str, SetCurves] = msgspec.field(default_factory=dict)
 
     def apply(self, e: MetricsEvent) -> None:
         v = e.values
@@ -71,10 +83,27 @@ class History(msgspec.Struct, kw_only=True):
                     self.first_reward = self.reward()
                 self.reward_by_version.add(int(v.get("policy_version", -1)), r)
         elif e.axis == "eval":
+            name = e.eval_set or DEFAULT_EVAL_SET
+            self._apply_set(name, e.step, v)
+            self.headline_set = self.headline_set or name  # the evaluator scores the default set first
+            if name != self.headline_set:
+                return
             if (acc := v.get("accuracy")) is not None:
                 self.eval_by_version.add(e.step, acc)
             if e.step >= self.eval_step:
                 self.eval_step, self.eval_accuracy = e.step, acc
+
+    def _apply_set(self, name: str, version: int, v: dict[str, float]) -> None:
+        curves = self.eval_sets.get(name)
+        if curves is None:
+            if len(self.eval_sets) >= MAX_SETS:
+                return
+            curves = self.eval_sets[name] = SetCurves()
+        curves.k = int(v.get("k", curves.k))
+        if (acc := v.get("accuracy")) is not None:
+            curves.accuracy.add(version, acc)
+        if (p := v.get("pass_at_k")) is not None:
+            curves.pass_at_k.add(version, p)
 
     def reward(self) -> float | None:
         r = self.recent_rewards

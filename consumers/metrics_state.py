@@ -20,13 +20,14 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from consumers.history import History
 from schemas import MetricsEvent
-from schemas.metric_names import AXES
+from schemas.metric_names import AXES, DEFAULT_EVAL_SET
 from streamer.bus import parse_id
 from streamer.status import Snapshot
 
 log = logging.getLogger(__name__)
 
 MAX_PRODUCER_LABELS = 32  # distinct `producer` label values; later producers count as "other"
+MAX_SET_LABELS = 16  # distinct eval `set` label values; later sets count as "other"
 MAX_UNKNOWN_NAMES = 64  # unlisted metric names exported (sanitised) before the rest are ignored
 _RESERVED = ("_total", "_created", "_count", "_sum", "_bucket", "_info")
 
@@ -46,7 +47,7 @@ def _event_series() -> dict[str, Series]:
                 labels = ("producer",) if axis == "rollout" else ()
                 out[f"streamer_{axis}_{name}_total"] = Series("counter", help_, labels)
             else:
-                out[f"streamer_{axis}_{name}"] = Series("gauge", help_)
+                out[f"streamer_{axis}_{name}"] = Series("gauge", help_, ("set",) if axis == "eval" else ())
     return out
 
 
@@ -120,12 +121,14 @@ class State:
         self.gauges: dict[str, float] = {}  # sample name -> latest value
         self.counters = {n: 0.0 for n, s in EVENT_SERIES.items() if s.kind == "counter" and not s.labels}
         self.labelled: dict[tuple[str, str], float] = {}  # (sample name, producer) -> total
+        self.set_gauges: dict[tuple[str, str], float] = {}  # eval axis: (sample name, set) -> latest
         self.events = {axis: 0 for axis in AXES}
         self.unknown: dict[str, str] = {}  # exported sanitised sample name -> help
         self.last_train_at: float | None = None
         self.unknown_names: set[tuple[str, str]] = set()  # (axis, name) not in the catalog
         self._names: dict[tuple[str, str], tuple[str, str] | None] = {}  # (axis, name) -> (sample, kind)
         self._producers: dict[str, str] = {}  # source -> label value
+        self._sets: dict[str, str] = {}  # eval set -> label value
         self._warned: set[tuple[str, str]] = set()
         self.seen = SeenIds()
         self.history = History()  # the run's curves (progress view, `streamer plot`)
@@ -150,17 +153,19 @@ class State:
             if axis == "train":
                 self.last_train_at = event.at
             for name, value in event.values.items():
-                self._apply_value(axis, name, value, event.source)
+                self._apply_value(axis, name, value, event.source, event.eval_set)
             self.history.apply(event)
             return True
 
-    def _apply_value(self, axis: str, name: str, value: float, source: str) -> None:
+    def _apply_value(self, axis: str, name: str, value: float, source: str, eval_set: str = "") -> None:
         resolved = self._resolve(axis, name)
         if resolved is None:
             return
         sample, kind = resolved
         value = float(value)
-        if kind == "gauge":
+        if kind == "gauge" and axis == "eval":
+            self.set_gauges[(sample, self._set(eval_set))] = value
+        elif kind == "gauge":
             self.gauges[sample] = value
         elif not math.isfinite(value) or value < 0:
             if (axis, name) not in self._warned:
@@ -221,6 +226,17 @@ class State:
             self._producers[source] = label
         return label
 
+    def _set(self, eval_set: str) -> str:
+        label = self._sets.get(eval_set)
+        if label is None:
+            if len(self._sets) >= MAX_SET_LABELS:
+                log.warning('more than %d eval sets: counting %r as set="other"', MAX_SET_LABELS, eval_set)
+                label = "other"
+            else:
+                label = eval_set[:64] or DEFAULT_EVAL_SET
+            self._sets[eval_set] = label
+        return label
+
     def families(self, now: float, health: Snapshot | None) -> list:
         """Metric families for one scrape (taken under the lock)."""
         with self.lock:
@@ -232,6 +248,12 @@ class State:
                 fam = by_name.get(n) or by_name.setdefault(n, counter(n, None, labels=["producer"]))
                 fam.add_metric([producer], v)
             out += by_name.values()
+            by_set: dict[str, GaugeMetricFamily] = {}
+            for (n, eval_set), v in self.set_gauges.items():
+                if n not in by_set:
+                    by_set[n] = gauge(n, None, help_=self.unknown.get(n), labels=["set"])
+                by_set[n].add_metric([eval_set], v)
+            out += by_set.values()
             events = counter("streamer_exporter_events_total", None, labels=["axis"])
             for axis, n in self.events.items():
                 events.add_metric([axis], n)

@@ -20,6 +20,7 @@ import redis
 
 from consumers.history import History
 from consumers.metrics_state import SeenIds, State
+from schemas.metric_names import DEFAULT_EVAL_SET
 from streamer.bus import parse_id
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class SavedState(msgspec.Struct, kw_only=True):
     seen: list[str]
     duplicates: int
     history: History
+    set_gauges: list[tuple[str, str, float]] = []  # eval axis: (sample, set label, latest)
+    sets: dict[str, str] = {}  # eval set -> label
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -73,6 +76,8 @@ def capture(state: State) -> SavedState:
         seen=list(state.seen.order),
         duplicates=state.duplicates,
         history=state.history,
+        set_gauges=[(n, s, v) for (n, s), v in state.set_gauges.items()],
+        sets=dict(state._sets),
     )
 
 
@@ -91,6 +96,10 @@ def restore(snap: SavedState) -> State:
     state.seen = SeenIds(ids=snap.seen)
     state.duplicates = snap.duplicates
     state.history = snap.history
+    state.set_gauges = {(n, s): v for n, s, v in snap.set_gauges}
+    state._sets = dict(snap.sets)
+    for name in [n for n in state.gauges if n.startswith("streamer_eval_") and n != "streamer_eval_step"]:
+        state.set_gauges.setdefault((name, DEFAULT_EVAL_SET), state.gauges.pop(name))  # saved before sets
     return state
 
 

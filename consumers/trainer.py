@@ -101,7 +101,7 @@ class Trainer:
             bus=cfg.bus,
             # in the dtype samplers load (float32 master weights, half-precision samplers)
             dtype=None if cfg.model.dtype == "float32" else getattr(torch, cfg.model.dtype),
-            untie=cfg.producer.untied_versions,
+            untie=cfg.untied_versions,
         )
 
     @property

@@ -67,7 +67,13 @@ ROWS: list[tuple[str, list[Panel]]] = [
         "Overview",
         [
             stat("Rollout reward (5m)", f"avg(avg_over_time({m(ROLL + 'reward_mean')}[5m]))"),
-            stat("Eval accuracy", f"max({m('streamer_eval_accuracy')})", "percentunit"),
+            Panel(
+                "Eval accuracy",
+                ((f"max by (set) ({m('streamer_eval_accuracy')})", "{{set}}"),),
+                "percentunit",
+                "stat",
+                3,
+            ),
             stat("Rollout tokens/s", rate(ROLL + "tokens_total")),
             stat("Policy version", f"max({m('streamer_policy_version')})"),
             stat("Staleness (versions)", f"max({m(TRAIN + 'staleness_mean')})"),
@@ -211,15 +217,21 @@ ROWS: list[tuple[str, list[Panel]]] = [
     (
         "Eval",
         [
-            ts("Eval accuracy", (m("streamer_eval_accuracy"), "accuracy"), unit="percentunit"),
-            ts("Eval reward", (m("streamer_eval_reward_mean"), "reward")),
-            ts("Eval response length", (m("streamer_eval_response_length_mean"), "tokens")),
             ts(
-                "Evaluated version",
-                (m("streamer_eval_step"), "version"),
-                (m("streamer_eval_rows"), "rows"),
+                "Eval accuracy (mean@k) per set",
+                (m("streamer_eval_mean_at_k"), "{{set}}"),
+                unit="percentunit",
             ),
-            ts("Eval time", (m("streamer_eval_eval_seconds"), "seconds"), unit="s"),
+            ts("Eval pass@k per set", (m("streamer_eval_pass_at_k"), "{{set}}"), unit="percentunit"),
+            ts("Eval reward per set", (m("streamer_eval_reward_mean"), "{{set}}")),
+            ts("Eval response length per set", (m("streamer_eval_response_length_mean"), "{{set}}")),
+            ts(
+                "Evaluated version, rows and k",
+                (m("streamer_eval_step"), "version"),
+                (m("streamer_eval_rows"), "{{set}} rows"),
+                (m("streamer_eval_k"), "{{set}} k"),
+            ),
+            ts("Eval time per set", (m("streamer_eval_eval_seconds"), "{{set}}"), unit="s"),
         ],
     ),
     (

@@ -1,8 +1,8 @@
 """Build a producer's (or the evaluator's) parts from the run config.
 
 A :class:`Task` is what turns rows into rewards: the rows, the renderer (tokenizer +
-chat template + stop ids) and the reward function. The sampler is built separately,
-since the evaluator always samples locally while producers may use a server.
+chat template + stop ids) and the reward function. The sampler is built separately:
+producers and the evaluator share the construction of a remote one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from streamer import models
 from streamer.config import RunConfig
 from streamer.rollout_types import DEFAULT_ROLLOUT, Task
 
-__all__ = ["Task", "build", "load_task", "local_sampler"]
+__all__ = ["Task", "build", "eval_sampler", "load_task", "local_sampler", "remote_sampler"]
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +68,33 @@ def build(cfg: RunConfig):
             torch.set_num_threads(p.torch_threads)
         sampler, stops = local_sampler(cfg, tokenizer)
         return load_task(cfg, **common, extra_stop_ids=stops), sampler
+    task = load_task(cfg, **common)
+    return task, remote_sampler(cfg, task.renderer.stop_ids)
+
+
+def remote_sampler(cfg: RunConfig, stop_ids: list[int], *, url: str = "", model: str = ""):
+    """A sampler on the producers' inference server (or on ``url``, serving ``model``), with
+    the producers' engine profile, timeouts, retries and concurrency."""
     from producers import engines
     from producers.remote_sampler import RemoteSampler
 
-    task = load_task(cfg, **common)
-    sampler = RemoteSampler(
-        base_url=p.remote_url,
-        model=p.remote_model or cfg.model.name_or_path,
-        stop_ids=task.renderer.stop_ids,
+    p = cfg.producer
+    return RemoteSampler(
+        base_url=url or p.remote_url,
+        model=model or (p.remote_model if not url else "") or cfg.model.name_or_path,
+        stop_ids=stop_ids,
         timeout=p.remote_timeout,
         retries=p.remote_retries,
         concurrency=p.remote_concurrency,
         engine=engines.profile(p.engine, reload_endpoint=p.reload_endpoint, lora_endpoint=p.lora_endpoint),
     )
-    return task, sampler
+
+
+def eval_sampler(cfg: RunConfig, tokenizer) -> tuple[object, list[int]]:
+    """The evaluator's sampler and stop ids: its own server (``eval.remote_url``), else the
+    producers' server when they sample remotely, else the initial policy in-process."""
+    e = cfg.eval
+    if e.remote_url or cfg.producer.sampler == "remote":
+        stops = stop_ids(tokenizer)
+        return remote_sampler(cfg, stops, url=e.remote_url, model=e.remote_model), stops
+    return local_sampler(cfg, tokenizer)

@@ -1,4 +1,4 @@
-"""`streamer eval`: score policy versions on a held-out set, greedily, off the trainer's path.
+"""`streamer eval`: score policy versions on held-out eval sets, off the trainer's path.
 
 The evaluator follows ``…:policy`` with a plain XREAD (it owns nothing the trainer waits
 for). At start it evaluates the weights of the newest version (or the initial weights,
@@ -6,49 +6,83 @@ version 0, when there is none yet); after that every version with
 ``version % eval.eval_every == 0``. When versions arrive faster than it evaluates it
 skips ahead: of everything new it evaluates only the newest eligible version.
 
-An evaluation renders ``eval.dataset`` (``"demo"`` = the demo's eval split) with the same
-renderer and reward function as the producers, decodes greedily in batches of
-``eval.batch_size`` and publishes ``MetricsEvent(axis="eval", step=version,
-source="eval")`` with the names of ``schemas.metric_names.EVAL``. A reward that raises
-counts as 0 for that row. Stops on SIGTERM/SIGINT (exit 0), or after
-``eval.max_versions`` evaluations when that is set.
+An evaluation scores every eval set (:mod:`producers.eval_sets`: the ``[eval]`` keys are
+the set ``default``, greedy; ``[eval.sets.NAME]`` add sets with k samples per row at a
+temperature, their own rollout and reward) and publishes one ``MetricsEvent(axis="eval",
+step=version, source="eval", eval_set=NAME)`` per set with the names of
+``schemas.metric_names.EVAL`` (pass@k, mean@k, ...). Single-turn sets on an in-process
+model decode in batches of ``eval.batch_size`` prompts; the others run their rollout
+(:mod:`streamer.rollout_eval`). A reward that raises counts as a failed sample (reward 0).
+
+Where it samples: a server of its own (``eval.remote_url``, which it reloads itself, so
+each evaluation sees exactly the version it names), else the producers' server when they
+sample remotely (it joins their one-reload-per-version protocol, :mod:`producers.reload`;
+a reload by a producer during an evaluation moves the server on, and the event names the
+version the server confirmed when the evaluation began), else the model in-process.
+Stops on SIGTERM/SIGINT (exit 0), or after ``eval.max_versions`` evaluations when set.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+import zlib
+from dataclasses import dataclass
 
 import redis
 
+from producers import eval_sets
 from producers import rollout as rollouts
-from producers.components import load_task, local_sampler
+from producers.components import eval_sampler
 from producers.dataset import DatasetError
+from producers.eval_sets import EvalSet, RowScores, summarize
 from producers.follow import WeightFollower
+from producers.render import Renderer
 from producers.rewards import score
+from producers.samplers import SamplerError
 from schemas import MetricsEvent, WeightSync
 from streamer import lifecycle, models, rollout_eval
 from streamer.bus import Publisher
-from streamer.config import RunConfig
+from streamer.config import DEFAULT_SET, RunConfig
 from streamer.connection import connect, retrying
 from streamer.keys import Keys
-from streamer.rollout_types import Task
+from streamer.rollout_types import Rollout, Task
 
 log = logging.getLogger(__name__)
 
 SOURCE = "eval"
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    spec: EvalSet
+    task: Task
+    prompts: list[list[int]]  # rendered rows of a single-turn set (empty otherwise)
+    rollout: Rollout
+
+
 class Evaluator:
     def __init__(
-        self, cfg: RunConfig, *, client: redis.Redis, task: Task, sampler, stop: threading.Event | None = None
+        self,
+        cfg: RunConfig,
+        *,
+        client: redis.Redis,
+        sampler,
+        task: Task | None = None,
+        sets: list[EvalSet] | None = None,
+        renderer=None,
+        stop: threading.Event | None = None,
     ):
-        self.cfg, self.eval_cfg, self.client, self.task, self.sampler = cfg, cfg.eval, client, task, sampler
+        """Scores ``sets`` (rendered with ``renderer``), or only the default set of ``task``."""
+        self.cfg, self.eval_cfg, self.client, self.sampler = cfg, cfg.eval, client, sampler
         self.keys = Keys(cfg.run.name)
         self.stop = stop or threading.Event()
-        self.rows = task.rows[: self.eval_cfg.max_rows] if self.eval_cfg.max_rows else task.rows
-        self.prompts = [_render(task, row, i) for i, row in enumerate(self.rows)]
+        if sets is None:
+            sets, renderer = [_default_set(cfg, task)], task.renderer
+        self.sets = [_prepare(s, renderer) for s in sets]
+        self.in_process = getattr(sampler, "max_parallel", 1) == 1 and hasattr(sampler, "sample_many")
         self.follower = WeightFollower(
             client,
             self.keys,
@@ -63,10 +97,7 @@ class Evaluator:
     def run(self) -> int:
         """Evaluate the current version, then each eligible new one, until stopped."""
         log.info(
-            "evaluating %d rows every %d versions (reward %s)",
-            len(self.rows),
-            self.eval_cfg.eval_every,
-            self.task.reward_path,
+            "evaluating every %d versions: %s", self.eval_cfg.eval_every, "; ".join(map(_describe, self.sets))
         )
         retrying(self.start, what="evaluator")  # server outages: logged backoff
         while not self.stop.is_set() and not self._done():
@@ -76,7 +107,7 @@ class Evaluator:
     def start(self) -> None:
         """Evaluate the newest version's weights (or the initial ones, version 0)."""
         sync = self.follower.tail.latest()  # also moves the cursor: only newer ones follow
-        if sync is None or self.follower.load(sync):
+        if sync is None or self._wait_out_engine(lambda: self.follower.load(sync), "loading weights"):
             self.evaluate(self.follower.version)
 
     def step(self, *, block: float = 0.0) -> int | None:
@@ -86,80 +117,118 @@ class Evaluator:
             s for s in syncs if s.version % self.eval_cfg.eval_every == 0 and s.version > self._last()
         ]
         for sync in sorted(eligible, key=lambda s: s.version, reverse=True):
-            if self.follower.load(sync):  # the newest that loads; older ones are skipped
+            loaded = self._wait_out_engine(functools.partial(self.follower.load, sync), "loading weights")
+            if loaded:  # the newest that loads; older ones are skipped
                 skipped = len(eligible) - 1
                 if skipped:
                     log.info("behind: evaluating version %d, skipping %d older ones", sync.version, skipped)
-                return self.evaluate(sync.version)
+                return self.evaluate(self.follower.version)  # a shared server may be past sync
         return None
 
     def evaluate(self, version: int) -> int | None:
-        """Greedy pass over the eval rows with the loaded weights; publishes the metrics."""
-        start = time.monotonic()
-        scored = self._run_rollouts() if self.cfg.producer.rollout else self._greedy(version)
-        if scored is None:
-            return None
-        rewards, lengths, successes = scored
-        n = len(rewards)
-        values = {
-            "reward_mean": sum(rewards) / n,
-            "accuracy": sum(successes) / n,
-            "response_length_mean": sum(lengths) / n,
-            "rows": float(n),
-            "eval_seconds": time.monotonic() - start,
-        }
-        event = MetricsEvent(axis="eval", step=version, values=values, source=SOURCE)
-        retrying(lambda: self.publisher.publish(self.keys.metrics, event), what="publishing eval metrics")
+        """Score every set with the loaded weights; one metrics event per set."""
+        for s in self.sets:
+            start = time.monotonic()
+            scores = self._wait_out_engine(functools.partial(self._score, s, version), f"set {s.spec.name}")
+            if scores is None:
+                log.info(
+                    "stopped during the evaluation of version %d: set %s not published", version, s.spec.name
+                )
+                return None
+            values = summarize(scores, n=s.spec.n, k=s.spec.k)
+            values["eval_seconds"] = time.monotonic() - start
+            event = MetricsEvent(
+                axis="eval", step=version, values=values, source=SOURCE, eval_set=s.spec.name
+            )
+            publish = functools.partial(self.publisher.publish, self.keys.metrics, event)
+            retrying(publish, what="publishing eval metrics")
+            log.info(
+                "version %d, set %s: accuracy %.3f, pass@%d %.3f, reward %.3f over %d rows (%.1fs)",
+                version,
+                s.spec.name,
+                values["accuracy"],
+                s.spec.k,
+                values["pass_at_k"],
+                values["reward_mean"],
+                len(scores),
+                values["eval_seconds"],
+            )
         self.evaluated.append(version)
-        log.info(
-            "version %d: accuracy %.3f, reward %.3f over %d rows (%.1fs)",
-            version,
-            values["accuracy"],
-            values["reward_mean"],
-            n,
-            values["eval_seconds"],
-        )
         return version
 
-    def _greedy(self, version: int) -> tuple[list[float], list[int], list[bool]] | None:
-        """Single-turn: batched greedy completions of the rendered rows, then the reward."""
-        rewards, lengths = [], []
-        for lo in range(0, len(self.prompts), self.eval_cfg.batch_size):
+    def _score(self, s: _Prepared, version: int) -> list[RowScores] | None:
+        if s.spec.single_turn and self.in_process:
+            return self._batched(s, version)
+        spec = s.spec
+        episodes = rollout_eval.evaluate(
+            spec.rows,
+            task=s.task,
+            sampler=self.sampler,
+            rollout=s.rollout,
+            max_new_tokens=spec.max_new_tokens,
+            n=spec.n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            seed=self._seed(spec, version) or 0,
+            version=version,
+            concurrency=self.eval_cfg.batch_size,
+        )
+        return [
+            RowScores(
+                rewards=[e.reward for e in eps],
+                successes=[e.metrics.get("success", float(e.reward > 0)) > 0 for e in eps],
+                lengths=[len(e.tokens) - len(e.segments[0].tokens) for e in eps],
+            )
+            for eps in episodes
+        ]
+
+    def _batched(self, s: _Prepared, version: int) -> list[RowScores] | None:
+        """Single-turn on an in-process model: batched completions of the rendered rows."""
+        spec, size, out = s.spec, self.eval_cfg.batch_size, []
+        for lo in range(0, len(s.prompts), size):
             if self.stop.is_set():
-                log.info("stopped during the evaluation of version %d; nothing published", version)
                 return None
             batch = self.sampler.sample_many(
-                self.prompts[lo : lo + self.eval_cfg.batch_size],
-                n=1,
-                temperature=0,
-                max_new_tokens=self.eval_cfg.max_new_tokens,
+                s.prompts[lo : lo + size],
+                n=spec.n,
+                temperature=spec.temperature,
+                top_p=spec.top_p,
+                max_new_tokens=spec.max_new_tokens,
+                seed=self._seed(spec, version, lo),
             )
-            for row, (completion,) in zip(self.rows[lo:], batch):
-                rewards.append(self._reward(row, completion))
-                lengths.append(len(completion.token_ids))
-        return rewards, lengths, [r > 0 for r in rewards]
+            for row, completions in zip(spec.rows[lo:], batch):
+                rewards = [self._reward(s.task, row, c) for c in completions]
+                lengths = [len(c.token_ids) for c in completions]
+                out.append(RowScores(rewards, [r > 0 for r in rewards], lengths))
+        return out
 
-    def _run_rollouts(self) -> tuple[list[float], list[int], list[bool]]:
-        """The task's own rollout, one greedy episode per row (multi-turn, tools); success is
-        the episode's ``metrics["success"]`` when it reports one, else reward > 0."""
-        episodes = rollout_eval.evaluate(
-            self.rows,
-            task=self.task,
-            sampler=self.sampler,
-            rollout=rollouts.load(self.cfg.producer.rollout),
-            max_new_tokens=self.eval_cfg.max_new_tokens,
-        )
-        rewards = [e.reward if e is not None else 0.0 for e in episodes]
-        lengths = [len(e.tokens) - len(e.segments[0].tokens) if e is not None else 0 for e in episodes]
-        successes = [e is not None and e.metrics.get("success", float(e.reward > 0)) > 0 for e in episodes]
-        return rewards, lengths, successes
+    def _wait_out_engine(self, fn, what: str):
+        """``fn()``, again and again while the engine cannot be reached (an outage is never a
+        score); None once stopped. An engine that refuses (4xx) raises."""
+        delay = 0.5
+        while not self.stop.is_set():
+            try:
+                return fn()
+            except SamplerError as e:
+                if e.refused:
+                    raise
+                log.warning("%s: engine unreachable (%s); trying again in %.1fs", what, e, delay)
+                self.stop.wait(delay)
+                delay = min(2 * delay, 30.0)
+        return None
 
-    def _reward(self, row: dict, completion) -> float:
+    def _seed(self, spec: EvalSet, version: int, batch: int = 0) -> int | None:
+        """None when greedy; else fixed by the run's seed, the set, the version and the batch."""
+        if spec.temperature == 0:
+            return None
+        return zlib.crc32(f"{self.cfg.run.seed}:{spec.name}:{version}:{batch}".encode())
+
+    def _reward(self, task: Task, row: dict, completion) -> float:
         try:
-            text = self.task.renderer.decode(completion.token_ids)
-            return score(self.task.reward_fn, row, text, completion)
-        except Exception as e:  # a user function: count the row as 0, keep evaluating
-            log.warning("reward %s raised %s: %s (counted as 0)", self.task.reward_path, type(e).__name__, e)
+            text = task.renderer.decode(completion.token_ids)
+            return score(task.reward_fn, row, text, completion)
+        except Exception as e:  # a user function: count the sample as 0, keep evaluating
+            log.warning("reward %s raised %s: %s (counted as 0)", task.reward_path, type(e).__name__, e)
             return 0.0
 
     def _drain(self, block: float) -> list[WeightSync]:
@@ -175,22 +244,55 @@ class Evaluator:
         return bool(self.eval_cfg.max_versions) and len(self.evaluated) >= self.eval_cfg.max_versions
 
 
-def _render(task: Task, row: dict, index: int) -> list[int]:
+def _default_set(cfg: RunConfig, task: Task) -> EvalSet:
+    """The set of the [eval] keys over ``task``'s rows (as the evaluator had before sets)."""
+    e = cfg.eval
+    return EvalSet(
+        name=DEFAULT_SET,
+        rows=task.rows[: e.max_rows] if e.max_rows else task.rows,
+        reward_fn=task.reward_fn,
+        reward_path=task.reward_path,
+        rollout=cfg.producer.rollout,
+        k=1,
+        n=1,
+        temperature=0.0,
+        top_p=1.0,
+        max_new_tokens=e.max_new_tokens,
+    )
+
+
+def _prepare(spec: EvalSet, renderer) -> _Prepared:
+    task = Task(rows=spec.rows, renderer=renderer, reward_fn=spec.reward_fn, reward_path=spec.reward_path)
+    prompts = (
+        [_render(spec.name, task, row, i) for i, row in enumerate(spec.rows)] if spec.single_turn else []
+    )
+    return _Prepared(spec, task, prompts, rollouts.load(spec.rollout))
+
+
+def _describe(s: _Prepared) -> str:
+    spec = s.spec
+    how = "greedy" if spec.temperature == 0 else f"pass@{spec.k} of {spec.n} at T={spec.temperature}"
+    return f"{spec.name} ({len(spec.rows)} rows, {how}, reward {spec.reward_path})"
+
+
+def _render(name: str, task: Task, row: dict, index: int) -> list[int]:
     try:
         return task.renderer.render(row)
     except (ValueError, KeyError, TypeError) as e:
-        raise DatasetError(f"eval row {index} cannot be rendered: {e}") from None
+        raise DatasetError(f"eval set {name!r}: row {index} cannot be rendered: {e}") from None
 
 
 def main(cfg: RunConfig, args) -> int:
+    sets = eval_sets.prepare(cfg)  # first: a bad set fails before any model loads
     client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name="eval")
     tokenizer = models.load_tokenizer(cfg.model)
-    sampler, stops = local_sampler(cfg, tokenizer)
-    task = load_task(cfg, dataset=cfg.eval.dataset, split="eval", tokenizer=tokenizer, extra_stop_ids=stops)
-    evaluator = Evaluator(cfg, client=client, task=task, sampler=sampler)
+    sampler, stops = eval_sampler(cfg, tokenizer)
+    renderer = Renderer(tokenizer, chat_template=cfg.model.chat_template, extra_stop_ids=stops)
+    evaluator = Evaluator(cfg, client=client, sampler=sampler, sets=sets, renderer=renderer)
 
     lifecycle.on_stop_signals(evaluator.stop, "evaluator")
     try:
         return evaluator.run()
     finally:
+        sampler.close()
         client.close()

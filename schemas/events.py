@@ -229,6 +229,7 @@ class MetricsEvent(msgspec.Struct, frozen=True, tag="metrics", kw_only=True):
     # random per event, fixed at construction: an XADD retried after a lost reply repeats the
     # same bytes, so a second entry with this id is a copy that readers skip ("" = no id)
     id: str = msgspec.field(default_factory=_event_id)
+    eval_set: str = ""  # axis "eval": the eval set scored ("" = the set named "default")
 
     def __post_init__(self) -> None:
         _check_schema(self.schema)

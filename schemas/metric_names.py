@@ -88,12 +88,19 @@ ROLLOUT: dict[str, tuple[Kind, str]] = {
     },
 }
 
+DEFAULT_EVAL_SET = "default"  # the eval set of the [eval] keys, and of an event that names none
+
+# one event per eval set (MetricsEvent.eval_set); the exporter labels these with `set`
 EVAL: dict[str, tuple[Kind, str]] = {
-    "reward_mean": ("gauge", "mean reward on the held-out set"),
-    "accuracy": ("gauge", "ratio of held-out rows with reward > 0"),
+    "reward_mean": ("gauge", "mean reward of the set's samples"),
+    "accuracy": ("gauge", "ratio of the set's samples that succeed (greedy: of rows); equals mean_at_k"),
+    "mean_at_k": ("gauge", "ratio of a row's k samples that succeed, averaged over rows (mean@k)"),
+    "pass_at_k": ("gauge", "unbiased pass@k: chance that k of a row's samples hold a success, row mean"),
     "response_length_mean": ("gauge", "mean completion tokens"),
     "rows": ("gauge", "rows evaluated"),
-    "eval_seconds": ("gauge", "time the evaluation took"),
+    "k": ("gauge", "the k of pass@k (samples per row; 1 = greedy)"),
+    "samples": ("gauge", "completions sampled per row (n >= k)"),
+    "eval_seconds": ("gauge", "time the evaluation of the set took"),
 }
 
 AXES: dict[str, dict[str, tuple[Kind, str]]] = {"train": TRAIN, "rollout": ROLLOUT, "eval": EVAL}

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from schemas.metric_names import DEFAULT_EVAL_SET
 from streamer.errors import ConfigError
 from streamer.keys import Keys
 
@@ -233,13 +234,62 @@ class TrainerSection(_Section):
             )
 
 
+SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # an eval set's name: a bare TOML key, a label value
+DEFAULT_SET = DEFAULT_EVAL_SET  # the eval set of the [eval] keys themselves
+
+
+class EvalSetSection(_Section):
+    """One named eval set, ``[eval.sets.NAME]``: its rows, sampling, rollout and reward."""
+
+    dataset: str = ""  # required: held-out JSONL, "demo" or "demo:TASK" (the built-in eval splits)
+    k: PosInt = 1  # samples per row, and the k of pass@k
+    samples: NonNegInt = 0  # completions per row n >= k for the unbiased pass@k; 0 = k
+    temperature: NonNegFloat = 0.0  # sampling temperature; 0 = greedy (one sample per row)
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0  # nucleus sampling
+    max_rows: NonNegInt = 0  # evaluate at most this many rows; 0 = all
+    max_new_tokens: NonNegInt = 0  # completion length cap; 0 = eval.max_new_tokens
+    rollout: str = ""  # "module:function" or a rollout service URL; "" = producer.rollout
+    reward: str = ""  # "module:function"; "" = producer.reward, else the dataset's default
+
+    def __post_init__(self) -> None:
+        if not self.dataset:
+            raise ValueError("`dataset` is required: a JSONL path, or demo / demo:TASK")
+        if self.samples and self.samples < self.k:
+            raise ValueError(f"`samples` ({self.samples}) must be >= `k` ({self.k}), or 0 for k")
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError(
+                f"`temperature` = 0 is greedy: the {self.n} samples of a row would be the same; "
+                "set a temperature > 0 or k = 1"
+            )
+
+    @property
+    def n(self) -> int:
+        """Completions sampled per row."""
+        return self.samples or self.k
+
+
 class EvalSection(_Section):
-    dataset: str = "demo"  # held-out JSONL; "demo" = the built-in task's eval split
+    dataset: str = "demo"  # held-out JSONL; "demo" = the built-in task's eval split; "" = only eval.sets
     eval_every: PosInt = 1  # evaluate every k-th version
     max_rows: NonNegInt = 0  # evaluate at most this many rows; 0 = all
-    max_new_tokens: PosInt = 16  # completion length cap (greedy decoding)
-    batch_size: PosInt = 32  # prompts per batched greedy generate
+    max_new_tokens: PosInt = 16  # completion length cap (and of the sets that leave theirs 0)
+    batch_size: PosInt = 32  # prompts per batched generate of a local model; rows in flight of a rollout
     max_versions: NonNegInt = 0  # stop after evaluating this many versions; 0 = forever (tests: burst)
+    remote_url: str = (
+        ""  # a server of the evaluator's own (engine: producer.engine); "" = sample like producers
+    )
+    remote_model: str = ""  # model name sent to eval.remote_url; empty = model.name_or_path
+    sets: dict[str, EvalSetSection] = {}  # [eval.sets.NAME]: more named sets, evaluated after "default"
+
+    def __post_init__(self) -> None:
+        for name in self.sets:
+            if name == DEFAULT_SET or not SET_NAME.fullmatch(name):
+                raise ValueError(
+                    f"`sets` has a set named {name!r}: use letters, digits, _ and - (at most 64), "
+                    f'not {DEFAULT_SET!r} (the set of the [eval] keys; set eval.dataset = "" to drop it)'
+                )
+        if not self.dataset and not self.sets:
+            raise ValueError("`dataset` is empty and there are no `sets`: nothing to evaluate")
 
 
 class MetricsSection(_Section):
@@ -301,6 +351,14 @@ class RunConfig(_Section):
             raise ValueError(
                 "key `trainer.fsdp`: LoRA adapters (`model.lora.rank` > 0) are not supported with FSDP yet"
             )
+
+    @property
+    def untied_versions(self) -> bool:
+        """Versions are written untied when a vLLM server loads them: the producers' or the
+        evaluator's own (``eval.remote_url``, served by the same ``producer.engine``)."""
+        return self.producer.untied_versions or (
+            bool(self.eval.remote_url) and self.producer.engine == "vllm"
+        )
 
     @property
     def run_dir(self) -> Path:
@@ -368,9 +426,22 @@ def parse_config(raw: bytes | str, *, source: str = "<config>") -> RunConfig:
     try:
         return check_across_sections(msgspec.toml.decode(raw, type=RunConfig), source)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {_pretty(str(e))}") from None
+        raise ConfigError(f"{source}: {_pretty(_name_set(str(e), raw))}") from None
     except msgspec.DecodeError as e:
         raise ConfigError(f"{source}: not valid TOML: {e}") from None
+
+
+def _name_set(msg: str, raw: bytes | str) -> str:
+    """msgspec writes a table key as ``[...]``: put the eval set's name in its place."""
+    if "`$.eval.sets[...]" not in msg:
+        return msg
+    for name, table in msgspec.toml.decode(raw).get("eval", {}).get("sets", {}).items():
+        try:
+            msgspec.convert(table, EvalSetSection)
+        except msgspec.ValidationError as e:
+            text, _, where = str(e).partition(" - at `$")
+            return f"{text} - at `$.eval.sets.{name}{where or '`'}"
+    return msg
 
 
 def replace(cfg: RunConfig, **sections: dict) -> RunConfig:

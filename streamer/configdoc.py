@@ -47,7 +47,23 @@ def _rows(prefix: str, obj: msgspec.Struct) -> list[str]:
             continue
         row = f"| `{prefix}.{f.name}` | `{_type(types[f.name])}` | `{value!r}` | {notes.get(f.name, '')} |"
         rows.append(row.replace("`''`", '`""`'))
+        table = types[f.name]
+        if isinstance(table, msgspec.inspect.DictType) and isinstance(
+            table.value_type, msgspec.inspect.StructType
+        ):
+            rows.extend(_table_rows(f"{prefix}.{f.name}.NAME", table.value_type.cls))
     return rows
+
+
+def _table_rows(prefix: str, cls: type) -> list[str]:
+    """The fields of a table of sections (``[eval.sets.NAME]``), with their defaults."""
+    notes = _comments(cls)
+    out = []
+    for f in msgspec.inspect.type_info(cls).fields:
+        default = "required" if f.required else repr(f.default)
+        row = f"| `{prefix}.{f.name}` | `{_type(f.type)}` | `{default}` | {notes.get(f.name, '')} |"
+        out.append(row.replace("`''`", '`""`'))
+    return out
 
 
 def _loss_table() -> list[str]:

@@ -1,8 +1,8 @@
 """`streamer plot`: one PNG of a run — did it learn, and how did the loop behave.
 
-Three panels, each on its own step axis: rollout reward and eval accuracy against policy
-version; loss against train step; staleness (mean version lag of a step's groups)
-against train step. The data is the run's :class:`~consumers.history.History`: the
+Four panels, each on its own step axis: rollout reward and eval accuracy against policy
+version; every eval set's mean@k (solid) and pass@k (dashed) against policy version; loss
+against train step; staleness (mean version lag of a step's groups) against train step. The data is the run's :class:`~consumers.history.History`: the
 exporter's snapshot plus the metrics stream after it (the stream itself is trimmed), or
 `up`'s progress view, which holds the same fold, when `up` finishes.
 
@@ -41,16 +41,23 @@ def load_history(client, keys: Keys) -> History | None:
 
 
 def draw(history: History, path: Path, *, title: str) -> Path:
-    """Write the three panels to ``path`` (PNG); ImportError without matplotlib."""
+    """Write the four panels to ``path`` (PNG); ImportError without matplotlib."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
 
-    fig = Figure(figsize=(13, 3.8), layout="constrained")
-    ax_v, ax_loss, ax_lag = fig.subplots(1, 3)
+    fig = Figure(figsize=(17, 3.8), layout="constrained")
+    ax_v, ax_sets, ax_loss, ax_lag = fig.subplots(1, 4)
     reward, acc = history.reward_by_version.means(), history.eval_by_version.means()
     ax_v.plot(list(reward), list(reward.values()), ".-", ms=3, label="rollout reward (mean)")
-    ax_v.plot(list(acc), list(acc.values()), "o-", ms=4, label="eval accuracy (held-out)")
+    ax_v.plot(
+        list(acc),
+        list(acc.values()),
+        "o-",
+        ms=4,
+        label=f"eval accuracy ({history.headline_set or 'held-out'})",
+    )
     ax_v.set(xlabel="policy version", title="reward and accuracy")
     ax_v.legend(loc="lower right")
+    _draw_sets(ax_sets, history)
     for ax, curve, name in (
         (ax_loss, history.loss_by_step, "loss"),
         (ax_lag, history.staleness_by_step, "staleness (versions)"),
@@ -58,12 +65,26 @@ def draw(history: History, path: Path, *, title: str) -> Path:
         pts = curve.means()
         ax.plot(list(pts), list(pts.values()), "-", lw=1)
         ax.set(xlabel="train step", title=name)
-    for ax in (ax_v, ax_loss, ax_lag):
+    for ax in (ax_v, ax_sets, ax_loss, ax_lag):
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     return path
+
+
+def _draw_sets(ax, history: History) -> None:
+    """Each eval set's mean@k (solid) and, past k = 1, its pass@k (dashed, same colour)."""
+    for i, (name, curves) in enumerate(sorted(history.eval_sets.items())):
+        colour = f"C{i % 10}"
+        mean = curves.accuracy.means()
+        ax.plot(list(mean), list(mean.values()), "o-", ms=3, color=colour, label=f"{name} mean@{curves.k}")
+        if curves.k > 1:
+            best = curves.pass_at_k.means()
+            ax.plot(list(best), list(best.values()), "--", color=colour, label=f"{name} pass@{curves.k}")
+    ax.set(xlabel="policy version", title="eval sets")
+    if history.eval_sets:
+        ax.legend(loc="lower right", fontsize="small")
 
 
 def save_quietly(history: History, path: Path, *, title: str) -> Path | None:

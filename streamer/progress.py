@@ -140,6 +140,7 @@ class Progress:
             f"  policy version     {self.version()}",
             f"  rollout reward     {_f(first)} -> {_f(reward)} (mean of the first/last {WINDOW} groups)",
             f"  eval accuracy      {_f(self.eval_acc)} (version {self.eval_step})",
+            *self._other_sets(),
             f"  reached {THRESHOLD}        reward {_t(self.reached.get('reward'))}, "
             f"eval {_t(self.reached.get('eval'))} after start",
             f"  groups published   {self.groups}",
@@ -147,6 +148,19 @@ class Progress:
             f"  weights            {weights_dir}",
         ]
         return "\n".join(lines)
+
+    def _other_sets(self) -> list[str]:
+        """A summary line per eval set besides the headline one: its last mean@k and pass@k."""
+        out = []
+        for name, c in self.history.eval_sets.items():
+            mean, best = c.accuracy.means(), c.pass_at_k.means()
+            if name == self.history.headline_set or not mean:
+                continue
+            v = max(mean)
+            out.append(
+                f"  eval set {name:<10}mean@{c.k} {mean[v]:.2f}, pass@{c.k} {_f(best.get(v))} (version {v})"
+            )
+        return out
 
     def record(self, path, elapsed: float) -> None:
         """The run's curve as JSON (reward per sampling version, eval per version)."""
@@ -157,6 +171,10 @@ class Progress:
             "reward_by_version": self.history.reward_by_version.means(),
             "groups_by_version": self.history.reward_by_version.counts(),
             "eval_accuracy_by_version": self.history.eval_by_version.means(),
+            "eval_sets": {
+                name: {"k": c.k, "mean_at_k": c.accuracy.means(), "pass_at_k": c.pass_at_k.means()}
+                for name, c in self.history.eval_sets.items()
+            },
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=1))

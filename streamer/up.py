@@ -181,7 +181,10 @@ def _fresh(cfg: RunConfig, embedded: bool) -> None:
 
 
 def main(cfg: RunConfig, args) -> int:
+    from producers import eval_sets
+
     started = time.monotonic()
+    eval_sets.prepare(cfg)  # a bad eval set is a one-line config error before anything starts
     embedded = not cfg.run.redis_url
     data_dir = Path(cfg.run.data_dir).resolve()
     cfg = replace(cfg, run={"data_dir": str(data_dir)})

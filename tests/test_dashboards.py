@@ -88,6 +88,8 @@ def test_rows_and_required_panels():
         "rollout_truncated_ratio",
         "rollout_admission_wait_seconds",
         "eval_accuracy",
+        "eval_pass_at_k",
+        "eval_mean_at_k",
         "stream_group_lag",
         "stream_group_pending",
         "dead_letters_total",

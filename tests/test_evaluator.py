@@ -64,12 +64,15 @@ def test_initial_weights_are_evaluated_as_version_0(client, keys, redis_url, tmp
     assert ev.run() == 0
     (event,) = _events(client, keys)
     assert event.axis == "eval" and event.step == 0 and event.source == "eval"
+    assert event.eval_set == "default" and event.values["k"] == 1 == event.values["samples"]
     assert set(event.values) == set(EVAL) and event.values["rows"] == 8
     # the demo reward is 0/1: reward mean and accuracy agree; recompute by hand
-    rows, prompts = ev.rows, ev.prompts
+    (default,) = ev.sets
+    rows, prompts = default.spec.rows, default.prompts
     got = [ev.sampler.sample(p, n=1, temperature=0, top_p=1.0, max_new_tokens=3)[0] for p in prompts]
-    expected = sum(demo.reward(r, ev.task.renderer.decode(c.token_ids)) for r, c in zip(rows, got)) / 8
+    expected = sum(demo.reward(r, default.task.renderer.decode(c.token_ids)) for r, c in zip(rows, got)) / 8
     assert event.values["accuracy"] == pytest.approx(expected) == event.values["reward_mean"]
+    assert event.values["pass_at_k"] == event.values["mean_at_k"] == event.values["accuracy"]  # greedy
     assert event.values["response_length_mean"] == pytest.approx(sum(len(c.token_ids) for c in got) / 8)
 
 

@@ -101,8 +101,8 @@ EXPECTED = {
     ("streamer_rollout_groups_total", (("producer", "a"),)): 2,
     ("streamer_rollout_groups_total", (("producer", "b"),)): 1,
     ("streamer_eval_step", ()): 2,
-    ("streamer_eval_accuracy", ()): 0.75,
-    ("streamer_eval_reward_mean", ()): 0.75,
+    ("streamer_eval_accuracy", (("set", "default"),)): 0.75,  # an event that names no set
+    ("streamer_eval_reward_mean", (("set", "default"),)): 0.75,
 }
 
 
@@ -250,7 +250,7 @@ def test_cli_serves_healthz_and_exits_0_on_sigterm(redis_url, keys, client, tmp_
     try:
         body = _wait_healthz(port, proc)
         assert body["ok"] is True and body["events"] == 1
-        assert scrape(port)[("streamer_eval_accuracy", ())] == 1.0
+        assert scrape(port)[("streamer_eval_accuracy", (("set", "default"),))] == 1.0
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/nope", timeout=5)
         proc.send_signal(signal.SIGTERM)
