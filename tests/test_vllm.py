@@ -206,3 +206,63 @@ def test_vllm_shared_by_two_producers_reloads_once_per_version(vllm, client, key
         for p in producers:
             p.close()
         _restore(vllm, tmp_path)
+
+
+def test_vllm_evaluator_samples_through_the_engine_and_scores_what_a_local_model_scores(
+    vllm, client, keys, redis_url, tmp_path
+):
+    """The evaluator on the producers' vLLM server: greedy on the held-out rows, a new version
+    reloaded into the engine first; its accuracy is what the same weights score locally."""
+    from producers import eval_sets
+    from producers.components import eval_sampler, load_task
+    from producers.evaluator import Evaluator
+    from producers.render import Renderer
+    from producers.samplers import LocalSampler
+    from schemas import MetricsEvent, decode
+    from streamer import models
+    from streamer.config import replace
+
+    cfg = replace(
+        demo.config(),
+        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
+        model={"name_or_path": str(vllm.model_dir)},
+        producer={
+            "sampler": "remote",
+            "engine": "vllm",
+            "remote_url": vllm.url,
+            "remote_model": str(vllm.model_dir),
+        },
+        eval={"eval_every": 1, "max_new_tokens": 2},
+    )
+    tokenizer = models.load_tokenizer(cfg.model)
+    sampler, stops = eval_sampler(cfg, tokenizer)
+    renderer = Renderer(tokenizer, chat_template=cfg.model.chat_template, extra_stop_ids=stops)
+    ev = Evaluator(cfg, client=client, sampler=sampler, sets=eval_sets.prepare(cfg), renderer=renderer)
+    try:
+        assert not ev.in_process
+        ev.start()  # version 0: the served start-up weights
+        new = _model(5)
+        uri, sha = weights.write_version(new, cfg.weights_dir, 1, untie=True)
+        client.xadd(keys.policy, entry(WeightSync(version=1, step=1, uri=uri, sha256=sha)))
+        assert ev.step() == 1
+    finally:
+        sampler.close()
+        _restore(vllm, tmp_path)
+    events = {
+        e.step: e.values for e in (decode(f[b"d"], MetricsEvent) for _, f in client.xrange(keys.metrics))
+    }
+    task = load_task(cfg, dataset="demo", split="eval", tokenizer=tokenizer)
+    for version, model in ((0, _model(0)), (1, new)):
+        local = LocalSampler(model, stop_ids=[demo.tokenizer().eos_token_id])
+        right = [
+            demo.reward(
+                row,
+                tokenizer.decode(
+                    local.sample(task.renderer.render(row), n=1, temperature=0, top_p=1.0, max_new_tokens=2)[
+                        0
+                    ].token_ids
+                ),
+            )
+            for row in task.rows
+        ]
+        assert events[version]["accuracy"] == pytest.approx(sum(right) / len(right)), version
