@@ -75,7 +75,11 @@ class Producer:
     ):
         self.cfg, self.producer_cfg, self.client, self.id = cfg, cfg.producer, client, producer_id
         self.task, self.sampler = task, sampler
-        self.rollout = rollout or rollouts.load(self.producer_cfg.rollout)
+        self.rollout = rollout or rollouts.load(
+            self.producer_cfg.rollout,
+            max_reply_bytes=self.producer_cfg.max_reply_bytes,
+            timeout=self.producer_cfg.rollout_timeout,
+        )
         self.rollout_path = self.producer_cfg.rollout or DEFAULT_ROLLOUT
         self.keys = Keys(cfg.run.name)
         self.stop = stop or threading.Event()
@@ -110,6 +114,7 @@ class Producer:
         self._failures = 0
         self._streak: list[tuple[str, int, int]] = []  # (failure, ticket, row) failed since a success
         self._who, self._problem = f"producer {producer_id}", False  # in status's problems
+        self._newest = 0  # the newest policy version published, as last read
         self._gate: WeightGate | None = None
         self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.producer_cfg.lease_seconds / 3))
 
@@ -273,7 +278,7 @@ class Producer:
         if episodes is None:
             return "failed"
         sample_seconds = time.monotonic() - start
-        samples = self._check(episodes, pos)
+        samples = self._check(episodes, pos, await self._newest_version(episodes))
         failures = max(0, self.producer_cfg.group_size - len(samples))
         if len(samples) < self.producer_cfg.min_group_size:
             log.warning(
@@ -360,13 +365,24 @@ class Producer:
             )
         return True
 
-    def _check(self, episodes: list, pos) -> list[tuple]:
+    async def _newest_version(self, episodes: list) -> int:
+        """The newest version published: read again only when an episode claims a newer one
+        than last read (a rollout service's engine may follow the policy ahead of this producer)."""
+        if rollouts.claimed_version(episodes) > max(self._newest, self.follower.version):
+            latest = await self._redis(self.client.get, self.keys.version)
+            self._newest = max(self._newest, parse_int(latest, self.keys.version, default=0))
+        return max(self._newest, self.follower.version)
+
+    def _check(self, episodes: list, pos, newest: int) -> list[tuple]:
         """(Sample, Episode) of every episode that passes :func:`producers.rollout.to_sample`."""
         out = []
         for e in episodes[: self.producer_cfg.group_size]:
             try:
                 sample = rollouts.to_sample(
-                    e, vocab_size=self.vocab_size, max_seq_len=self.cfg.trainer.max_seq_len
+                    e,
+                    vocab_size=self.vocab_size,
+                    max_seq_len=self.cfg.trainer.max_seq_len,
+                    max_version=newest,
                 )
                 out.append((sample, e))
             except rollouts.EpisodeRejected as err:

@@ -12,18 +12,23 @@ rollout service**: ``POST`` the JSON below, receive the row's episodes token-nat
 
 A sampled segment names the policy version that sampled it (the service's engine
 follows the run's weights; the proxy of :mod:`producers.proxy` is one way to). The reply
-is untrusted: one that is not JSON or not of this shape drops the rollout with reason
-``malformed`` and a message naming the field; an HTTP error drops it with reason
-``error``; both hand the row back and count towards ``max_row_attempts``. A service
-that cannot be reached, or answers 429/502/503/504, is an outage, not the row's
-failure: the producer backs off as for a sampler outage.
+is untrusted: one that is not JSON or not of this shape, or larger than
+``producer.max_reply_bytes`` (read as it streams in, never past the cap), drops the
+rollout with reason ``malformed`` and a message naming the field; an HTTP error drops it
+with reason ``error``; a reply not complete within ``producer.rollout_timeout`` (600 s
+when that is 0) drops it with reason ``timeout``; all hand the row back and count towards
+``max_row_attempts``. A service that cannot be reached, or answers 429/502/503/504, is an
+outage, not the row's failure: the producer backs off as for a sampler outage.
 
 A rollout function is user code: whatever it returns is untrusted until
 :func:`to_sample` has checked it. An episode that is malformed (segment lengths differ,
-loss weight on tokens it did not sample, ids outside the vocabulary, NaN log-probs, a
-reward that is not a finite number) or longer than ``max_seq_len`` raises
-:class:`EpisodeRejected` with a reason from :data:`REASONS`; the producer counts it and
-the episode never reaches the trainer.
+loss weight on tokens it did not sample, token ids that are not integers inside the
+vocabulary, a version that is not an integer between 0 and the newest published one,
+log-probs that are NaN, infinite or positive, a reward that is not a finite number) or
+longer than ``max_seq_len`` raises :class:`EpisodeRejected` with a reason from
+:data:`REASONS`; the producer counts it and the episode never reaches the trainer. A
+log-prob up to :data:`LOGPROB_TOLERANCE` above 0 is an engine's rounding (p = 1 in float
+arithmetic), trained as 0.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 
+import anyio
 import httpx
 import msgspec
 import numpy as np
@@ -47,6 +53,10 @@ log = logging.getLogger(__name__)
 
 # why an episode (or a whole rollout) was dropped: counted as rollout `episodes_dropped_{reason}`
 REASONS = EPISODE_DROP_REASONS
+LOGPROB_TOLERANCE = 1e-4  # a log-prob this far above 0 is float error (p = 1), trained as 0
+MAX_VERSION = 2**63 - 1  # the wire's version field is an int64
+MAX_REPLY_BYTES = 64 << 20  # producer.max_reply_bytes' default
+SERVICE_TIMEOUT = 600.0  # seconds for a whole service reply when producer.rollout_timeout is 0
 
 
 async def single_turn(row: dict, ctx: RolloutContext) -> list[Episode]:
@@ -68,10 +78,11 @@ async def single_turn(row: dict, ctx: RolloutContext) -> list[Episode]:
     return out
 
 
-def load(path: str) -> Rollout:
-    """The rollout at import path ``path`` ("" = :func:`single_turn`), or a service URL."""
+def load(path: str, *, max_reply_bytes: int = MAX_REPLY_BYTES, timeout: float = SERVICE_TIMEOUT) -> Rollout:
+    """The rollout at import path ``path`` ("" = :func:`single_turn`), or a service URL
+    (:func:`remote`, with its reply limits)."""
     if path.startswith(("http://", "https://")):
-        return remote(path)
+        return remote(path, timeout=timeout or SERVICE_TIMEOUT, max_reply_bytes=max_reply_bytes)
     return load_function(path or DEFAULT_ROLLOUT, what="rollout")
 
 
@@ -96,8 +107,9 @@ class _Reply(msgspec.Struct):
 OUTAGE_STATUS = {429, 502, 503, 504}
 
 
-def remote(url: str, *, timeout: float = 600.0) -> Rollout:
-    """A rollout that POSTs each row to the rollout service at ``url`` (module docstring)."""
+def remote(url: str, *, timeout: float = SERVICE_TIMEOUT, max_reply_bytes: int = MAX_REPLY_BYTES) -> Rollout:
+    """A rollout that POSTs each row to the rollout service at ``url`` (module docstring):
+    the whole reply within ``timeout`` seconds and ``max_reply_bytes`` bytes."""
 
     async def rollout(row: dict, ctx: RolloutContext) -> list[Episode]:
         body = {
@@ -112,46 +124,91 @@ def remote(url: str, *, timeout: float = 600.0) -> Rollout:
             },
         }
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0)) as http:
-                r = await http.post(url, json=body)
-        except httpx.TimeoutException as e:
-            if isinstance(e, httpx.ConnectTimeout):
-                raise SamplerError(f"rollout service {url} cannot be reached: {e!r}") from None
-            raise TimeoutError(f"no answer within {timeout:.0f}s") from None
-        except httpx.TransportError as e:
-            raise SamplerError(f"rollout service {url} cannot be reached: {e!r}") from None
-        if r.status_code in OUTAGE_STATUS:
-            raise SamplerError(f"rollout service {url} answered {r.status_code}: {r.text[:200]}")
-        if r.status_code != 200:
-            raise RuntimeError(f"the service answered {r.status_code}: {r.text[:200]}")
+            with anyio.fail_after(timeout):
+                status, content = await _post(url, body, timeout=timeout, max_bytes=max_reply_bytes)
+        except TimeoutError:  # a service that trickles its reply holds the row no longer than this
+            raise TimeoutError(f"no complete answer within {timeout:.0f}s") from None
+        if status in OUTAGE_STATUS:
+            raise SamplerError(f"rollout service {url} answered {status}: {_text(content)}")
+        if status != 200:
+            raise RuntimeError(f"the service answered {status}: {_text(content)}")
         try:
-            reply = msgspec.json.decode(r.content, type=_Reply)
+            reply = msgspec.json.decode(content, type=_Reply)
         except msgspec.DecodeError as e:
             raise EpisodeRejected("malformed", f"sent a bad reply: {e}") from None
-        return [
-            Episode(
-                [Segment(s.tokens, s.logprobs, s.version, s.mask) for s in e.segments],
-                e.reward,
-                e.finish_reason,
-                dict(e.metrics),
-            )
-            for e in reply.episodes
-        ]
+        return [_episode(e) for e in reply.episodes]
 
     rollout.__name__ = rollout.__qualname__ = f"remote({url})"
     return rollout
 
 
-def to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int = 0) -> Sample:
-    """The wire form of a checked episode; :class:`EpisodeRejected` says what is wrong."""
+async def _post(url: str, body: dict, *, timeout: float, max_bytes: int) -> tuple[int, bytes]:
+    """(status, body) of one POST: a 200's body up to ``max_bytes``, another's first 200 bytes."""
+    try:
+        async with (
+            httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0)) as http,
+            http.stream("POST", url, json=body) as r,
+        ):
+            return r.status_code, await _read(r, max_bytes if r.status_code == 200 else 200)
+    except httpx.TimeoutException as e:
+        if isinstance(e, httpx.ConnectTimeout):
+            raise SamplerError(f"rollout service {url} cannot be reached: {e!r}") from None
+        raise TimeoutError(f"no answer within {timeout:.0f}s") from None
+    except httpx.TransportError as e:
+        raise SamplerError(f"rollout service {url} cannot be reached: {e!r}") from None
+
+
+async def _read(r: httpx.Response, limit: int) -> bytes:
+    """The body as it streams in: a 200 larger than ``limit`` is refused before it is all
+    read (its Content-Length, else its bytes so far); other bodies are cut at ``limit``."""
+    declared = r.headers.get("Content-Length", "")
+    too_large = f"the reply is larger than producer.max_reply_bytes = {limit}"
+    if r.status_code == 200 and declared.isdigit() and int(declared) > limit:
+        raise EpisodeRejected("malformed", f"{too_large} (Content-Length {declared})")
+    chunks, size = [], 0
+    async for chunk in r.aiter_bytes():  # decoded: a compressed reply is capped as it expands
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            if r.status_code == 200:
+                raise EpisodeRejected("malformed", too_large)
+            break
+    return b"".join(chunks)
+
+
+def _text(content: bytes) -> str:
+    return content[:200].decode(errors="replace")
+
+
+def _episode(e: _WireEpisode) -> Episode:  # JSON numbers are finite: msgspec refuses 1e400
+    segments = [Segment(s.tokens, s.logprobs, s.version, s.mask) for s in e.segments]
+    return Episode(segments, e.reward, e.finish_reason, dict(e.metrics))
+
+
+def to_sample(
+    episode: Episode, *, vocab_size: int, max_seq_len: int = 0, max_version: int = MAX_VERSION
+) -> Sample:
+    """The wire form of a checked episode; :class:`EpisodeRejected` says what is wrong.
+
+    ``max_version``: the newest policy version published, which no sampled segment may exceed.
+    """
+    try:
+        return _to_sample(episode, vocab_size=vocab_size, max_seq_len=max_seq_len, max_version=max_version)
+    except EpisodeRejected:
+        raise
+    except (TypeError, ValueError, OverflowError, AttributeError) as e:  # junk where a list or number goes
+        raise EpisodeRejected("malformed", f"{type(e).__name__}: {e}") from None
+
+
+def _to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int, max_version: int) -> Sample:
     if not isinstance(episode, Episode):
         raise EpisodeRejected("malformed", f"rollout returned {type(episode).__name__}, not an Episode")
     segs = episode.segments
-    if len(segs) < 2 or segs[0].sampled:
+    if len(segs) < 2 or not isinstance(segs[0], Segment) or segs[0].sampled:
         raise EpisodeRejected("malformed", "an episode is a prompt segment followed by at least one more")
     tokens, logprobs, mask, spans = list(segs[0].tokens), [], [], []
     for i, s in enumerate(segs[1:], 1):
-        _check_segment(i, s)
+        _check_segment(i, s, max_version)
         if s.sampled:
             spans.append(Span(len(logprobs), len(logprobs) + len(s.tokens), int(s.version)))
         tokens += s.tokens
@@ -161,18 +218,19 @@ def to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int = 0) -> Sam
         raise EpisodeRejected("malformed", "empty prompt or nothing after it")
     if not spans:
         raise EpisodeRejected("malformed", "no sampled segment")
-    ids = np.asarray(tokens, np.int64)
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
-        raise EpisodeRejected("bad_token", f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    _check_token_ids(tokens, vocab_size)
     # checked as sent: a float64 log-prob beyond float32's range would arrive as inf
     with np.errstate(over="ignore"):
         lps = np.asarray(logprobs, LOGPROB_DTYPE)
     if not np.isfinite(lps).all():
         raise EpisodeRejected("bad_logprob", "a sampled token's log-prob is NaN or infinite")
+    if (lps > 0).any():  # a probability above 1; within the tolerance, an engine's rounding of 0
+        if lps.max() > LOGPROB_TOLERANCE:
+            raise EpisodeRejected("bad_logprob", f"a sampled token's log-prob is {lps.max():g} > 0")
+        np.minimum(lps, 0, out=lps)
     if max_seq_len and len(tokens) > max_seq_len:
         raise EpisodeRejected("too_long", f"{len(tokens)} tokens > max_seq_len {max_seq_len}")
-    if not isinstance(episode.reward, (int, float)) or not math.isfinite(episode.reward):
+    if not _finite(episode.reward):
         raise EpisodeRejected("bad_reward", f"reward {episode.reward!r} is not a finite number")
     single = len(spans) == 1 and spans[0].start == 0 and spans[0].end == len(logprobs)
     return Sample.build(
@@ -187,18 +245,67 @@ def to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int = 0) -> Sam
     )
 
 
-def _check_segment(i: int, s: Segment) -> None:
+def _check_segment(i: int, s: Segment, max_version: int) -> None:
     if not isinstance(s, Segment):
         raise EpisodeRejected("malformed", f"segment {i} is {type(s).__name__}, not a Segment")
     if s.sampled and len(s.logprobs) != len(s.tokens):
         raise EpisodeRejected(
             "malformed", f"segment {i}: {len(s.tokens)} tokens but {len(s.logprobs)} log-probs"
         )
-    if s.sampled and (not isinstance(s.version, int) or s.version < 0):
+    if s.sampled and s.version is None:
         raise EpisodeRejected("malformed", f"segment {i}: sampled without a policy version")
+    if s.sampled and (not _integer(s.version) or not 0 <= s.version <= max_version):
+        raise EpisodeRejected(
+            "malformed", f"segment {i}: version {s.version!r} was never published (newest: {max_version})"
+        )
     if s.mask is None:  # the default weights: 1 per sampled token, 0 per other
         return
     if len(s.mask) != len(s.tokens) or any(x not in (0, 1) for x in s.mask):
         raise EpisodeRejected("malformed", f"segment {i}: mask must be one 0/1 per token")
     if not s.sampled and any(s.mask):
         raise EpisodeRejected("malformed", f"segment {i}: loss weight on tokens it did not sample")
+
+
+def claimed_version(episodes: list) -> int:
+    """The newest policy version any sampled segment of ``episodes`` names (0: none does)."""
+    return max(
+        (
+            s.version
+            for e in episodes
+            if isinstance(e, Episode) and isinstance(e.segments, (list, tuple))
+            for s in e.segments
+            if isinstance(s, Segment) and _integer(s.version)
+        ),
+        default=0,
+    )
+
+
+def _check_token_ids(tokens: list, vocab_size: int) -> None:
+    """Every id an integer in ``[0, vocab_size)`` (so an int32 too)."""
+    try:
+        ids = np.asarray(tokens)  # int64 (uint64 past 2**63) when all are integers
+    except (OverflowError, ValueError, TypeError):
+        ids = None
+    if ids is not None and ids.dtype.kind in "iu" and ids.ndim == 1:
+        if ids.min() >= 0 and ids.max() < vocab_size:
+            return
+        bad = ids[(ids < 0) | (ids >= vocab_size)][0]
+    else:
+        bad = next(t for t in tokens if not (_integer(t) and 0 <= t < vocab_size))
+    if not _integer(bad):
+        raise EpisodeRejected("bad_token", f"token id {bad!r} is not an integer")
+    raise EpisodeRejected("bad_token", f"token id {int(bad)} outside the vocabulary [0, {vocab_size})")
+
+
+def _integer(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _finite(x) -> bool:
+    """A real number that fits a float and is finite (an int past 1e308 does not)."""
+    if not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False

@@ -298,6 +298,7 @@ def test_a_remote_rollout_service_returns_token_native_episodes(keys, redis_url,
         g = body["group_size"]
         return 200, {"episodes": [_episode_json(float(i)) for i in range(g)]}
 
+    client.set(keys.version, 4)  # the version the service's engine sampled with is published
     with _Service(reply) as service:
         p = _producer(_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
         assert p.step() == "published"
