@@ -32,8 +32,16 @@ into objects before rendering, as templates that ``tojson`` them expect.
 Bad requests get a 4xx with a reason (OpenAI's error shape), never a crash: a body that
 is not JSON or does not match the schema (the reason names the field), an unknown key,
 ``n`` other than 1, ``stream``, messages the template cannot render, a prompt with no
-room left under ``trainer.max_seq_len``. A failed engine call is a 502 to the agent, and
-the rollout then raises it to the producer (an engine outage, not the row's failure).
+room left under ``trainer.max_seq_len`` (when that is 0: the tokenizer's
+``model_max_length``, else :data:`MAX_PROMPT_TOKENS`), found before anything is sampled. A
+failed engine call is a 502 to the agent, and the rollout then raises it to the producer
+(an engine outage, not the row's failure).
+
+The server is bounded (:mod:`producers.httpd`): the route and the episode's key are checked
+before the body is read, the body's declared length before that (at most :data:`MAX_BODY`);
+a connection that sends nothing for :data:`SOCKET_TIMEOUT` seconds is closed; at most
+:data:`MAX_CONNECTIONS` are served at once (the next get a 503 at once). A client that
+hangs up is one debug line.
 """
 
 from __future__ import annotations
@@ -65,6 +73,9 @@ log = logging.getLogger(__name__)
 
 MODEL = "streamer-policy"  # the model name the proxy reports (any name is accepted)
 MAX_BODY = 8 << 20  # bytes
+MAX_PROMPT_TOKENS = 32768  # a call's token limit if trainer.max_seq_len is 0 and the tokenizer has none
+SOCKET_TIMEOUT = 30.0  # seconds a connection may send nothing (an idle keep-alive one too)
+MAX_CONNECTIONS = 256  # connections served at once
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
@@ -133,10 +144,8 @@ class _Request(msgspec.Struct):
     stream: bool = False
 
 
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+class BadRequest(httpd.HTTPError):
+    """A call answered with a 4xx/5xx and its reason."""
 
 
 def _parse(body: bytes) -> _Request:
@@ -251,10 +260,16 @@ class Session:
 class ProxyServer:
     """The process's proxy: one HTTP server, a session per episode in flight."""
 
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        timeout: float = SOCKET_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
+    ):
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
-        self.httpd = httpd.server(_handler(self), host)
+        self.httpd = httpd.server(_handler(self), host, timeout=timeout, max_connections=max_connections)
         self.base_url = f"http://{host}:{self.httpd.server_address[1]}/v1"
         httpd.start(self.httpd, "agent-proxy")
 
@@ -290,13 +305,11 @@ class ProxyServer:
             raise BadRequest(400, f"cannot render the messages: {type(e).__name__}: {e}") from None
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         budget = min(limit or ctx.max_new_tokens, ctx.max_new_tokens)
-        if ctx.max_seq_len:
-            room = ctx.max_seq_len - len(prompt)
-            if room < 1:
-                raise BadRequest(
-                    400, f"the prompt is {len(prompt)} tokens: no room under max_seq_len {ctx.max_seq_len}"
-                )
-            budget = min(budget, room)
+        max_len, limit_name = _max_len(ctx)
+        room = max_len - len(prompt)
+        if room < 1:
+            raise BadRequest(400, f"the prompt is {len(prompt)} tokens: no room under {limit_name}")
+        budget = min(budget, room)
         try:
             c = anyio.from_thread.run(session.sample, prompt, budget, token=session.token)
         except SamplerError as e:
@@ -341,21 +354,35 @@ def server() -> ProxyServer:
         return _server
 
 
+def _max_len(ctx: RolloutContext) -> tuple[int, str]:
+    """The most tokens a call's prompt + completion may have, and what says so."""
+    if ctx.max_seq_len:
+        return ctx.max_seq_len, f"max_seq_len {ctx.max_seq_len}"
+    named = getattr(ctx.task.renderer.tokenizer, "model_max_length", None)
+    if isinstance(named, int) and 0 < named <= 1 << 24:  # unset, transformers says 1e30
+        return named, f"the tokenizer's model_max_length {named}"
+    return MAX_PROMPT_TOKENS, f"{MAX_PROMPT_TOKENS} tokens (trainer.max_seq_len is 0)"
+
+
 def _handler(proxy: ProxyServer):
     class Handler(JsonHandler):
         def do_POST(self):
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY:
-                    self.close_connection = True  # the body is not read
-                    raise BadRequest(413, f"body of {length} bytes > {MAX_BODY}")
-                body = self.rfile.read(length)
+            try:  # route and key first: nothing of a stranger's body is read
                 if self.path.rstrip("/") != "/v1/chat/completions":
+                    self.close_connection = True  # the body is not read
                     raise BadRequest(404, f"no route {self.path} (the proxy serves /v1/chat/completions)")
-                session = proxy.lookup(self.headers.get("Authorization"))
+                try:
+                    session = proxy.lookup(self.headers.get("Authorization"))
+                except BadRequest:
+                    self.close_connection = True
+                    raise
+                body = self.read_body(MAX_BODY)
                 self.send_json(200, proxy.complete(session, body))
-            except BadRequest as e:
+            except httpd.HTTPError as e:
                 self._error(e.status, str(e))
+            except httpd.GONE as e:  # the agent hung up or stalled: nothing to answer
+                self.close_connection = True
+                log.debug("proxy: client gone: %s", e)
             except Exception as e:  # a bug here must not take the producer down
                 log.exception("proxy: request failed")
                 self._error(500, f"{type(e).__name__}: {e}")
