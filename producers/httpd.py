@@ -5,17 +5,21 @@ served from a daemon thread.
 Bounded for clients that misbehave: :meth:`JsonHandler.read_body` checks the declared length
 before it reads a byte (none: 411; not a byte count: 400; over the limit: 413); a server
 made with ``timeout`` drops a connection that sends nothing for that long (an idle
-keep-alive one too), and one made with ``max_connections`` serves at most that many
+keep-alive one too) or takes more than twice that to send one request (a byte at a time
+resets no per-read timeout), and one made with ``max_connections`` serves at most that many
 connections at once, answering the next ones 503 at once instead of starting a thread for
 each. A client that hangs up or times out is one debug line, never a traceback.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,17 @@ class HTTPError(Exception):
 class JsonHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body go out as separate writes
+    deadline = 0.0  # monotonic time by which the request being read must have arrived
+
+    def setup(self) -> None:
+        super().setup()
+        if self.timeout is not None:  # reads bounded in total, not only per recv
+            self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
+
+    def handle_one_request(self) -> None:
+        if self.timeout is not None:
+            self.deadline = time.monotonic() + 2 * self.timeout
+        super().handle_one_request()
 
     def read_body(self, limit: int) -> bytes:
         """The request's body, at most ``limit`` bytes; :class:`HTTPError` before reading any
@@ -70,6 +85,26 @@ class JsonHandler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:  # quiet
         pass
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each bounded by the handler's per-read timeout and request deadline."""
+
+    def __init__(self, sock: socket.socket, handler: JsonHandler):
+        self.sock, self.handler = sock, handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.handler.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(min(left, self.handler.timeout))
+        try:
+            return self.sock.recv_into(buffer)
+        finally:
+            self.sock.settimeout(self.handler.timeout)
 
 
 class Server(ThreadingHTTPServer):

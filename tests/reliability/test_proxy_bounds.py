@@ -182,6 +182,27 @@ def test_a_connection_that_sends_nothing_is_closed_and_one_that_hangs_up_is_one_
     assert not errors and "Traceback" not in capfd.readouterr().err, errors
 
 
+def test_a_request_that_trickles_in_is_cut_at_its_deadline(task, proxies):
+    proxy = proxies(timeout=0.5)  # a request must arrive within 2 x 0.5 s
+
+    def trickle(port, key):
+        start = time.monotonic()
+        with _connect(port) as sock:
+            for byte in _head(key, str(len(GOOD))) + GOOD:  # a byte per 0.2 s: no read waits 0.5 s
+                try:
+                    sock.send(bytes([byte]))
+                    if select.select([sock], [], [], 0.2)[0] and not sock.recv(1):
+                        break  # closed by the server
+                except ConnectionError:
+                    break
+            else:
+                return None
+        return time.monotonic() - start
+
+    seconds = _in_session(proxy, task, trickle)
+    assert seconds is not None and seconds < 5, f"{seconds}: the whole request was read"
+
+
 def test_connections_served_at_once_are_bounded_and_the_next_are_refused_at_once(task, proxies):
     proxy = proxies(timeout=30, max_connections=4)
     threads_before = threading.active_count()
