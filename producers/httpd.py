@@ -111,6 +111,7 @@ class Server(ThreadingHTTPServer):
     """A thread per connection, at most ``max_connections`` of them (0 = no limit)."""
 
     daemon_threads = True
+    request_queue_size = 128  # listen backlog: a burst of agents connecting at once waits in it
 
     def __init__(self, address, handler, *, max_connections: int = 0):
         super().__init__(address, handler)
