@@ -299,13 +299,16 @@ class ProxyServer:
         req = _parse(body)
         messages = [_as_template_input(m) for m in req.messages]
         renderer, ctx = session.ctx.task.renderer, session.ctx
+        max_len, limit_name = _max_len(ctx)
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > max_len * _longest_token(renderer.tokenizer):  # no rendering could fit it
+            raise BadRequest(400, f"the messages hold {chars} characters: too many for {limit_name}")
         try:
             prompt = renderer.render_messages(messages, tools=req.tools)
         except Exception as e:  # a template error names what it could not render
             raise BadRequest(400, f"cannot render the messages: {type(e).__name__}: {e}") from None
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         budget = min(limit or ctx.max_new_tokens, ctx.max_new_tokens)
-        max_len, limit_name = _max_len(ctx)
         room = max_len - len(prompt)
         if room < 1:
             raise BadRequest(400, f"the prompt is {len(prompt)} tokens: no room under {limit_name}")
@@ -362,6 +365,13 @@ def _max_len(ctx: RolloutContext) -> tuple[int, str]:
     if isinstance(named, int) and 0 < named <= 1 << 24:  # unset, transformers says 1e30
         return named, f"the tokenizer's model_max_length {named}"
     return MAX_PROMPT_TOKENS, f"{MAX_PROMPT_TOKENS} tokens (trainer.max_seq_len is 0)"
+
+
+@functools.cache
+def _longest_token(tokenizer) -> int:
+    """Characters of the vocabulary's longest token: a text of n characters is at least
+    n / this many tokens (byte-level and SentencePiece pieces spell what they stand for)."""
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))
 
 
 def _handler(proxy: ProxyServer):

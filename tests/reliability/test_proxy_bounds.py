@@ -251,3 +251,19 @@ def _wait(done, what: str, timeout: float = 10.0) -> None:
     while not done():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def test_a_megabyte_prompt_is_refused_before_it_is_rendered(task, proxies):
+    proxy = proxies()
+    sampler = Counting(task.renderer)
+    huge = json.dumps({"messages": [{"role": "user", "content": "1+1=" * 250_000}]})  # 1 MB
+
+    def call(port, key):
+        with _connect(port, timeout=60) as sock:
+            start = time.monotonic()
+            sock.sendall(_head(key, str(len(huge))) + huge.encode())
+            return *_status(sock), time.monotonic() - start
+
+    code, reply, seconds = _in_session(proxy, task, call, sampler=sampler)
+    assert code == 400 and b"1000000 characters: too many for 32768 tokens" in reply, reply
+    assert seconds < 2 and sampler.calls == 0, f"{seconds:.1f}s"
