@@ -33,7 +33,8 @@ Bad requests get a 4xx with a reason (OpenAI's error shape), never a crash: a bo
 is not JSON or does not match the schema (the reason names the field), an unknown key,
 ``n`` other than 1, ``stream``, messages the template cannot render, a prompt with no
 room left under ``trainer.max_seq_len`` (when that is 0: the tokenizer's
-``model_max_length``, else :data:`MAX_PROMPT_TOKENS`), found before anything is sampled. A
+``model_max_length``, else :data:`MAX_PROMPT_TOKENS`), found before anything is sampled
+(and before rendering when the text has more characters than that many tokens hold). A
 failed engine call is a 502 to the agent, and the rollout then raises it to the producer
 (an engine outage, not the row's failure).
 
