@@ -283,18 +283,18 @@ def claimed_version(episodes: list) -> int:
 def _check_token_ids(tokens: list, vocab_size: int) -> None:
     """Every id an integer in ``[0, vocab_size)`` (so an int32 too)."""
     try:
-        ids = np.asarray(tokens)  # int64 (uint64 past 2**63) when all are integers
-    except (OverflowError, ValueError, TypeError):
-        ids = None
-    if ids is not None and ids.dtype.kind in "iu" and ids.ndim == 1:
+        ids = np.asarray(tokens, np.int64)
+    except (OverflowError, ValueError, TypeError):  # past int64, None, text: name the first
+        bad = next((t for t in tokens if not (_integer(t) and 0 <= t < vocab_size)), tokens)
+    else:
+        if ids.ndim != 1:
+            raise EpisodeRejected("bad_token", "token ids must be a flat list of integers")
         if ids.min() >= 0 and ids.max() < vocab_size:
             return
-        bad = ids[(ids < 0) | (ids >= vocab_size)][0]
-    else:
-        bad = next(t for t in tokens if not (_integer(t) and 0 <= t < vocab_size))
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
     if not _integer(bad):
         raise EpisodeRejected("bad_token", f"token id {bad!r} is not an integer")
-    raise EpisodeRejected("bad_token", f"token id {int(bad)} outside the vocabulary [0, {vocab_size})")
+    raise EpisodeRejected("bad_token", f"token id {bad} outside the vocabulary [0, {vocab_size})")
 
 
 def _integer(x) -> bool:

@@ -150,7 +150,7 @@ def test_a_published_version_and_a_log_prob_rounded_above_zero_are_trained(keys,
     [
         (Episode([Segment([3, 8]), Segment([9], [-0.1], 0)], 10**400), "bad_reward"),
         (Episode([Segment([3, 8]), Segment([2**63], [-0.1], 0)], 1.0), "bad_token"),
-        (Episode([Segment([3, 8]), Segment([9.0], [-0.1], 0)], 1.0), "bad_token"),
+        (Episode([Segment([3, 8]), Segment(["x"], [-0.1], 0)], 1.0), "bad_token"),
         (Episode(None, 1.0), "malformed"),
         (Episode([Segment([3, 8]), Segment(None, [-0.1], 0)], 1.0), "malformed"),
     ],
