@@ -152,6 +152,7 @@ class Server(ThreadingHTTPServer):
         try:
             request.setblocking(False)
             request.send(head.encode() + raw)
+            request.recv(65536)  # what the client sent already: unread, the close would be a reset
         except OSError:
             pass
         self.shutdown_request(request)
