@@ -66,7 +66,7 @@ import msgspec
 
 from producers import httpd
 from producers.httpd import JsonHandler
-from streamer.errors import PrefixMismatch, SamplerError
+from streamer.errors import EpisodeRejected, PrefixMismatch, SamplerError
 from streamer.rollout_types import Completion, Episode, Rollout, RolloutContext, episodes
 from streamer.trajectory import Trajectory
 
@@ -220,7 +220,9 @@ class Session:
         self.chains: list[Trajectory] = []
         self.last: Trajectory | None = None
         self.calls = self.divergences = 0
-        self.engine_error: SamplerError | None = None  # a failed engine call (the agent saw a 502)
+        self.engine_error: SamplerError | EpisodeRejected | None = (
+            None  # a failed engine call (the agent saw a 502)
+        )
         self.lock = threading.Lock()  # an agent may send calls in parallel
 
     def fold(self, prompt: list[int], completion: Completion) -> str:
@@ -316,7 +318,7 @@ class ProxyServer:
         budget = min(budget, room)
         try:
             c = anyio.from_thread.run(session.sample, prompt, budget, token=session.token)
-        except SamplerError as e:
+        except (SamplerError, EpisodeRejected) as e:  # an outage, or an answer that cannot be trained
             session.engine_error = e
             raise BadRequest(502, f"the engine call failed: {e}") from None
         except RuntimeError as e:  # the episode's event loop is gone

@@ -14,6 +14,7 @@ import threading
 import time
 
 import anyio
+import httpx
 import pytest
 
 from producers.components import load_task
@@ -267,3 +268,33 @@ def test_a_megabyte_prompt_is_refused_before_it_is_rendered(task, proxies):
     code, reply, seconds = _in_session(proxy, task, call, sampler=sampler)
     assert code == 400 and b"1000000 characters: too many for 32768 tokens" in reply, reply
     assert seconds < 2 and sampler.calls == 0, f"{seconds:.1f}s"
+
+
+def test_a_hostile_engine_answer_to_an_agent_is_a_502_and_drops_the_rollout_with_its_reason(task, caplog):
+    from producers.proxy import proxied
+    from streamer.errors import EpisodeRejected
+
+    class Hostile(Counting):
+        def sample(self, *args, **kwargs):
+            raise EpisodeRejected(
+                "bad_token", "the engine sent token id 9223372036854775808, not an int32 id"
+            )
+
+    seen: list[int] = []
+
+    @proxied
+    async def agent(row, endpoint):
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(
+                endpoint.base_url + "/chat/completions",
+                json={"model": "m", "messages": row["messages"]},
+                headers={"Authorization": f"Bearer {endpoint.api_key}"},
+            )
+        seen.append(r.status_code)
+        return 1.0
+
+    with pytest.raises(BaseExceptionGroup) as group:
+        anyio.run(agent, ROW, _ctx(Hostile(task.renderer), task))
+    (error,) = group.value.exceptions
+    assert seen == [502] and isinstance(error, EpisodeRejected) and error.reason == "bad_token"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "no traceback logged"
