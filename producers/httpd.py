@@ -43,6 +43,7 @@ class JsonHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         if self.timeout is not None:  # reads bounded in total, not only per recv
+            self.rfile.close()  # the socket's own file: unused, it would keep the socket open
             self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
 
     def handle_one_request(self) -> None:
