@@ -224,14 +224,14 @@ def _parse_choice(choice: dict, stop_ids: list[int]) -> Completion:
         raise SamplerError(f"choice has {len(ids)} token ids but {len(logprobs)} log-probs")
     for i in ids:
         if type(i) is not int or not 0 <= i <= _INT32_MAX:
-            raise EpisodeRejected("bad_token", f"the engine sent token id {i!r}, not an int32 id")
+            raise EpisodeRejected("bad_token", f"the engine sent token id {i!r:.40}, not an int32 id")
     try:
         floats = [float(p) for p in logprobs if type(p) in (int, float)]
     except OverflowError:  # an int past float's range
-        floats = []
+        raise EpisodeRejected("bad_logprob", "the engine sent a log-prob past float's range") from None
     if len(floats) != len(logprobs):
-        bad = next((p for p in logprobs if type(p) not in (int, float)), "an int past float's range")
-        raise EpisodeRejected("bad_logprob", f"the engine sent log-prob {bad!r}, not a number")
+        bad = next(p for p in logprobs if type(p) not in (int, float))
+        raise EpisodeRejected("bad_logprob", f"the engine sent log-prob {bad!r:.40}, not a number")
     done = cut_at_stop(ids, floats, stop_ids)
     if done.finish_reason == "length" and choice.get("finish_reason") == "stop":
         # ended by a stop string or a stop token the server did not return: keep its verdict

@@ -231,7 +231,7 @@ def _to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int, max_versi
     if max_seq_len and len(tokens) > max_seq_len:
         raise EpisodeRejected("too_long", f"{len(tokens)} tokens > max_seq_len {max_seq_len}")
     if not _finite(episode.reward):
-        raise EpisodeRejected("bad_reward", f"reward {episode.reward!r} is not a finite number")
+        raise EpisodeRejected("bad_reward", f"reward {episode.reward!r:.40} is not a finite number")
     single = len(spans) == 1 and spans[0].start == 0 and spans[0].end == len(logprobs)
     return Sample.build(
         prompt_ids=segs[0].tokens,
@@ -256,7 +256,7 @@ def _check_segment(i: int, s: Segment, max_version: int) -> None:
         raise EpisodeRejected("malformed", f"segment {i}: sampled without a policy version")
     if s.sampled and (not _integer(s.version) or not 0 <= s.version <= max_version):
         raise EpisodeRejected(
-            "malformed", f"segment {i}: version {s.version!r} was never published (newest: {max_version})"
+            "malformed", f"segment {i}: version {s.version!r:.40} was never published (newest: {max_version})"
         )
     if s.mask is None:  # the default weights: 1 per sampled token, 0 per other
         return
@@ -293,7 +293,7 @@ def _check_token_ids(tokens: list, vocab_size: int) -> None:
             return
         bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
     if not _integer(bad):
-        raise EpisodeRejected("bad_token", f"token id {bad!r} is not an integer")
+        raise EpisodeRejected("bad_token", f"token id {bad!r:.40} is not an integer")
     raise EpisodeRejected("bad_token", f"token id {bad} outside the vocabulary [0, {vocab_size})")
 
 

@@ -181,7 +181,7 @@ def _engine(choice: dict) -> RawServer:
         ({"token_ids": [7, 2**31]}, "bad_token", "token id 2147483648, not an int32 id"),
         ({"token_ids": [7, 6.0]}, "bad_token", "token id 6.0, not an int32 id"),
         ({"token_ids": [7, 6], "lp": [-0.1, "x"]}, "bad_logprob", "log-prob 'x', not a number"),
-        ({"token_ids": [7, 6], "lp": [-0.1, 10**400]}, "bad_logprob", "not a number"),
+        ({"token_ids": [7, 6], "lp": [-0.1, 10**400]}, "bad_logprob", "past float's range"),
         ({"tokens": ["token_id:7", "token_id:9" * 3000]}, "bad_token", "not an int32 id"),
         ({"token_ids": [7, 6], "lp": [-0.1, 2.5]}, "bad_logprob", "log-prob is 2.5 > 0"),
     ],
