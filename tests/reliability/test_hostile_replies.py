@@ -5,12 +5,14 @@ log-probs, a reply larger than ``producer.max_reply_bytes`` or one that trickles
 
 from __future__ import annotations
 
+import itertools
 import json
 import socketserver
 import threading
 import time
 
 import pytest
+from harness import report, run_config
 
 from producers import rollout as rollouts
 from producers.components import build
@@ -266,3 +268,40 @@ def test_a_service_that_trickles_its_reply_is_cut_at_the_deadline(
     assert _reason(client, keys) == "timeout" and "no complete answer within" in caplog.text
     assert elapsed < 10, elapsed
     _nothing_held(client, keys)
+
+
+@pytest.mark.slow
+def test_a_producer_process_fed_hostile_replies_keeps_producing(procs, redis_url, keys, tmp_path, client):
+    hostile = [
+        _episode(tokens=(9, 2**63)),
+        _episode(version=2**64 + 5),
+        _episode(version=10**9),
+        _episode(logprobs=(-0.2, 3.0)),
+        None,  # a reply over max_reply_bytes
+    ]
+    calls = itertools.count()
+
+    def answer(path, write, stop):
+        i = next(calls)
+        episode = hostile[i % 6] if i % 6 < len(hostile) else _episode()
+        if episode is None:
+            return write(_json_reply(_padded(1 << 16)))
+        write(_json_reply({"episodes": [episode, episode]}))
+
+    with RawServer(answer) as service:
+        producer = {"rollout": service.url, "group_size": 2, "min_group_size": 2, "max_groups": 3}
+        config = run_config(
+            tmp_path / "run.toml", keys, tmp_path / "data", producer={**producer, "max_reply_bytes": 4096}
+        )
+        procs.start("producer", "produce", "--config", str(config), "--redis-url", redis_url)
+        code = procs.wait("producer", 180)
+    log = procs.log("producer")
+    counters = _counters(client, keys)
+    dropped = {k: v for k, v in counters.items() if k.startswith("episodes_dropped_") and v}
+    report(
+        "hostile-replies", exit=code, published=client.xlen(keys.traj), service_calls=next(calls), **dropped
+    )
+    assert code == 0 and "Traceback" not in log, log[-3000:]
+    assert client.xlen(keys.traj) == 3
+    for reason in ("bad_token", "malformed", "bad_logprob"):
+        assert counters.get(f"episodes_dropped_{reason}", 0) >= 2, (reason, dropped)
