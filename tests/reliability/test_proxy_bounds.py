@@ -204,7 +204,7 @@ def test_a_request_that_trickles_in_is_cut_at_its_deadline(task, proxies):
     assert seconds is not None and seconds < 5, f"{seconds}: the whole request was read"
 
 
-def test_connections_served_at_once_are_bounded_and_the_next_are_refused_at_once(task, proxies):
+def test_connections_served_at_once_are_bounded_and_the_next_are_refused_at_once(task, proxies, capfd):
     proxy = proxies(timeout=30, max_connections=4)
     threads_before = threading.active_count()
 
@@ -230,6 +230,7 @@ def test_connections_served_at_once_are_bounded_and_the_next_are_refused_at_once
     assert refused == 36 and proxy.httpd.refused == 36
     assert threads <= 4 + 2, f"{threads} threads for 40 stalled connections"  # + the session's worker
     assert status == 200, "served again once the stalled connections closed"
+    assert "Traceback" not in capfd.readouterr().err, "closing stalled connections printed tracebacks"
 
 
 def test_a_prompt_over_the_token_limit_is_refused_before_it_is_sampled(task, proxies):
