@@ -222,7 +222,7 @@ class Learner:
         """
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
-        denom = L.normalizer(whole.weights, cfg.loss_agg)
+        denom = L.normalizer(whole.weights, cfg.aggregation)
         n_tok = max(float((whole.weights > 0).sum()), 1.0)
         out = {"loss": 0.0, "is_weight_max": 0.0}
         t0 = self._clock()
@@ -247,7 +247,7 @@ class Learner:
                 weights=micro.weights,
                 kl_coef=cfg.kl_coef,
                 ref_logp=micro.ref_logp,
-                agg=cfg.loss_agg,
+                agg=cfg.aggregation,
                 denom=denom,
             )
             self.precision.backward(loss)

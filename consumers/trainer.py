@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from consumers import advantages, checkpoint, distributed
+from consumers import advantages, checkpoint, distributed, losses
 from consumers.batch import collator
 from consumers.distributed import DataParallel
 from consumers.feed import Feeder, Ready
@@ -380,6 +380,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     try:
         url = cfg.require_redis_url()
         group_filter = GroupFilter.from_config(cfg.trainer)  # a bad user_filter: before anything runs
+        losses.resolve(cfg.trainer.loss)  # and a bad loss import path
         advantages.check_group_size(
             advantages.resolve(cfg.trainer),
             group_size=cfg.producer.group_size,
