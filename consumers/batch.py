@@ -83,12 +83,6 @@ class Batch:
         chunks = torch.arange(self.size).tensor_split(min(parts, self.size))
         return [self.rows(c) for c in chunks if len(c)]
 
-    def chunks(self, rows: int) -> list[Batch]:
-        """Consecutive slices of at most ``rows`` rows (``rows`` <= 0: the whole batch)."""
-        if rows <= 0 or rows >= self.size:
-            return [self]
-        return [self.rows(slice(i, i + rows)) for i in range(0, self.size, rows)]
-
     def micro_batches(self, *, rows: int = 0, tokens: int = 0, packed: bool = False) -> list[torch.Tensor]:
         """Row indices of each micro-batch: consecutive slices of ``rows`` rows (<= 0: all), or,
         with ``tokens`` > 0, the rows longest first, each micro-batch filled while its tokens

@@ -169,10 +169,10 @@ class Learner:
     def token_logprobs(self, model, mb: Batch, *, entropy: bool = False) -> tuple[torch.Tensor, float]:
         """``mb``'s (b, T-1) target log-probs under ``model`` (packed or padded), and with
         ``entropy`` the policy entropy summed over its trained tokens, weighted (else 0)."""
-        if not self.packing:
-            logits, targets, weights, p = self.forward_logits(model, mb), mb.targets, mb.weights, None
+        p: Packed | None = pack(mb) if self.packing else None
+        if p is None:
+            logits, targets, weights = self.forward_logits(model, mb), mb.targets, mb.weights
         else:
-            p: Packed | None = pack(mb)
             with self.precision.autocast():
                 out = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False)
             logits, targets, weights = out.logits[:, :-1], p.targets, p.pack(mb.weights)  # (1, L-1, ...)
