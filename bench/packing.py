@@ -10,7 +10,7 @@ same model and weights, steps interleaved so that load from elsewhere hits every
 - packed:   the same budget, rows end to end without padding (position-id packing:
             transformers' block-diagonal mask on sdpa/eager, varlen on flash-attention).
 
-    python bench/packing.py                  # ~5M-parameter Qwen2, CPU (a few minutes)
+    python bench/packing.py                  # a 3.3M-parameter Qwen2, CPU (minutes)
     python bench/packing.py --device cuda    # a GPU box
     python bench/packing.py --quick          # a tiny model and 32-256 tokens (the smoke test)
 
