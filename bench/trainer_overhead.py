@@ -127,7 +127,7 @@ class BareLoop:
                 eps_low=tc.eps_low,
                 eps_high=tc.eps_high,
                 tis_cap=tc.tis_cap,
-                agg=tc.loss_agg,
+                agg=tc.aggregation,
             )
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)

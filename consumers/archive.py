@@ -3,12 +3,19 @@
 The trainer trims trajectories once a checkpoint covers them, and they hold only token
 ids; debugging a reward function starts from what the model wrote. The archiver is one
 more consumer group (``archive``) on the trajectory stream. For each group it writes one
-JSON line — the decoded prompt and completions, rewards, group advantages, the version
-that sampled each completion, the producer, and the verdict the trainer's filters would
-give now (``accepted`` or the reject reason) — to gzip files under
+JSON line — the decoded prompt and completions, rewards, the version that sampled each
+completion, the producer, the verdict of the trainer's filters and the advantages — to gzip
+files under
 ``{run_dir}/archive/``: ``rollouts-000001.jsonl.gz``, a new file past
 ``archive.file_bytes``, the oldest deleted past ``archive.max_bytes``. Each batch is
 flushed before it is acknowledged, so `streamer samples --follow` sees it at once.
+
+The verdict is the archiver's own re-judgement with the trainer's filters, at the policy
+version it reads the group under (recorded as ``verdict_by`` / ``verdict_version``): the
+trainer judges a group when it reads it, possibly at another version, so a ``stale``
+verdict may differ from the trainer's. The advantages are the trainer's computation: the
+configured ``trainer.advantage`` over the samples the filters keep (``null`` for a dropped
+sample and for every sample of a rejected group, which trains nothing).
 
 It never holds training back: the trainer's trimming (:func:`streamer.bus.trim_acked`)
 lets this group fall at most ``archive.max_lag`` entries behind, then trims past it (the
@@ -26,8 +33,10 @@ import logging
 import threading
 from pathlib import Path
 
-from consumers.batch import advantages_of
-from consumers.filters import GroupFilter
+import torch
+
+from consumers import advantages as A
+from consumers.filters import GroupFilter, Verdict
 from schemas import TrajectoryGroup
 from streamer import lifecycle, models
 from streamer.bus import Consumer, Delivery
@@ -45,7 +54,26 @@ def archive_dir(cfg: RunConfig) -> Path:
     return cfg.run_dir / "archive"
 
 
-def record(entry_id: str, group: TrajectoryGroup, *, decode_text, verdict: str, advantages) -> dict:
+def trained_advantages(group: TrajectoryGroup, verdict: Verdict, advantage: A.AdvantageFn) -> list:
+    """Per sample of ``group``: the advantage the trainer trains it with (``advantage`` over the
+    samples the filters kept), or None (dropped, or the group rejected)."""
+    if not verdict.accepted:
+        return [None] * len(group.samples)
+    kept = verdict.group.samples
+    values = A.compute(advantage, torch.from_numpy(verdict.group.rewards())).tolist()  # as collate does
+    out, j = [], 0
+    for s in group.samples:  # the kept samples are a subsequence (a masked one is a copy, same tokens)
+        if j < len(kept) and kept[j].tokens is s.tokens:
+            out.append(round(values[j], 6))
+            j += 1
+        else:
+            out.append(None)
+    return out
+
+
+def record(
+    entry_id: str, group: TrajectoryGroup, *, decode_text, verdict: str, advantages, verdict_version: int
+) -> dict:
     """One group as a JSON-able dict of text and numbers."""
     first = group.samples[0]
     return {
@@ -58,12 +86,14 @@ def record(entry_id: str, group: TrajectoryGroup, *, decode_text, verdict: str, 
         "created_at": group.created_at,
         "published_at": group.published_at,
         "verdict": verdict,
+        "verdict_by": "archiver",  # re-judged here, not the trainer's own verdict
+        "verdict_version": verdict_version,
         "prompt": decode_text(first.token_ids()[: first.prompt_len].tolist()),
         "completions": [
             {
                 "text": decode_text(s.completion_ids().tolist()),
                 "reward": s.reward,
-                "advantage": round(float(a), 6),
+                "advantage": a,
                 "version": s.version,
                 "finish_reason": s.finish_reason,
                 "tokens": s.completion_len,
@@ -117,6 +147,7 @@ class Archiver:
         )
         self.tokenizer = tokenizer or models.load_tokenizer(cfg.model)
         self.filter = GroupFilter.from_config(cfg.trainer)
+        self.advantage = A.resolve(cfg.trainer)
         self.consumer = Consumer(
             self.client,
             self.keys,
@@ -153,13 +184,16 @@ class Archiver:
                 archive_dir(self.cfg), file_bytes=a.file_bytes, max_bytes=a.max_bytes
             )
         version = int(self.client.get(self.keys.version) or 0)
-        tc = self.cfg.trainer
         lines = []
         for d in got:
             verdict = self.filter(d.event, version=version)
-            adv = advantages_of(d.event, std_normalize=tc.std_normalize, std_floor=tc.std_floor)
             rec = record(
-                d.id, d.event, decode_text=self._text, verdict=verdict.reason or "accepted", advantages=adv
+                d.id,
+                d.event,
+                decode_text=self._text,
+                verdict=verdict.reason or "accepted",
+                advantages=trained_advantages(d.event, verdict, self.advantage),
+                verdict_version=version,
             )
             lines.append(json.dumps(rec, ensure_ascii=False))
         self.writer.write(lines)

@@ -5,6 +5,13 @@ is about ``input_ids[:, t + 1]``, predicted by ``logits[:, t]``. Completion toke
 sample with prompt length p sits at input position p + j, so its weight, sampler log-prob
 and target live at index p + j - 1. Prompt positions, padding and masked completion tokens
 (``Sample.loss_mask()`` = 0) have weight 0. Samples of different prompt lengths mix freely.
+
+Micro-batches (:meth:`Batch.micro_batches`) are slices of ``trainer.micro_batch_size`` rows,
+or, with ``trainer.micro_batch_tokens``, rows sorted by length and filled up to a token
+budget, so a short sample is not padded to the longest one of the step. Where the model's
+attention can tell sequences apart by their position ids (checked once, see
+consumers/learner.py), a micro-batch is :func:`pack`-ed: its rows' real tokens end to end in
+one row, no padding at all; the log-probs are laid back out as (b, T-1) before the loss.
 """
 
 from __future__ import annotations
@@ -76,15 +83,78 @@ class Batch:
         chunks = torch.arange(self.size).tensor_split(min(parts, self.size))
         return [self.rows(c) for c in chunks if len(c)]
 
-    def chunks(self, rows: int) -> list[Batch]:
-        """Consecutive slices of at most ``rows`` rows (``rows`` <= 0: the whole batch)."""
-        if rows <= 0 or rows >= self.size:
-            return [self]
-        return [self.rows(slice(i, i + rows)) for i in range(0, self.size, rows)]
+    def micro_batches(self, *, rows: int = 0, tokens: int = 0, packed: bool = False) -> list[torch.Tensor]:
+        """Row indices of each micro-batch: consecutive slices of ``rows`` rows (<= 0: all), or,
+        with ``tokens`` > 0, the rows longest first, each micro-batch filled while its tokens
+        stay within ``tokens``: counted with padding to its longest row, or as they are when
+        ``packed``. A row longer than the budget is a micro-batch of its own."""
+        if tokens <= 0:
+            step = rows if 0 < rows < self.size else max(self.size, 1)
+            return [torch.arange(i, min(i + step, self.size)) for i in range(0, self.size, step)]
+        lengths = self.attention_mask.sum(-1).tolist()
+        order = sorted(range(self.size), key=lambda i: -lengths[i])  # stable: ties keep row order
+        out: list[list[int]] = []
+        used = 0  # the current micro-batch's tokens, padding included unless packed
+        for i in order:
+            n = lengths[i]
+            # sorted longest first: the current micro-batch's first row sets its padded width
+            cost = (used + n if packed else (len(out[-1]) + 1) * lengths[out[-1][0]]) if out else n
+            if out and cost <= tokens:
+                out[-1].append(i)
+            else:
+                out.append([i])
+                cost = n
+            used = cost
+        return [torch.tensor(sorted(ix)) for ix in out]
 
     def _map(self, fn) -> Batch:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return Batch(**{name: None if t is None else fn(t) for name, t in fields.items()})
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A micro-batch's rows end to end in one row, without padding: token i of row r sits at
+    ``offset[r] + i``, with position id i, so the attention keeps the rows apart (transformers
+    builds a block-diagonal causal mask from the position ids, or flash-attention's varlen
+    bounds). ``index``/``valid`` map each (b, T-1) target position to its packed one."""
+
+    input_ids: torch.Tensor  # (1, L) int64, L = the rows' real tokens
+    position_ids: torch.Tensor  # (1, L) int64, restarting at 0 for every row
+    index: torch.Tensor  # (b, T-1) int64 packed target position (0 where not valid)
+    valid: torch.Tensor  # (b, T-1) bool: a real target of the row
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.input_ids[:, 1:]  # (1, L-1); a row's last token "predicts" the next row's first
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """(1, L-1) per packed target -> (b, T-1), 0 where no target."""
+        return packed[0][self.index] * self.valid
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """(b, T-1) -> (1, L-1), 0 at the positions between rows."""
+        out = padded.new_zeros(1, self.input_ids.shape[1] - 1)
+        out[0, self.index[self.valid]] = padded[self.valid]
+        return out
+
+
+def pack(mb: Batch) -> Packed:
+    """The :class:`Packed` layout of ``mb``'s rows (right-padded, as :func:`collate` makes them)."""
+    real = mb.attention_mask.bool()  # (b, T)
+    lengths = real.sum(-1)  # (b,)
+    offsets = lengths.cumsum(0) - lengths  # (b,) first packed position of each row
+    positions = real.long().cumsum(-1) - 1  # (b, T) position within its row
+    width = mb.weights.shape[1]
+    t = torch.arange(width, device=lengths.device)
+    valid = t.unsqueeze(0) < (lengths - 1).unsqueeze(-1)  # (b, T-1)
+    index = (offsets.unsqueeze(-1) + t.unsqueeze(0)) * valid
+    return Packed(
+        input_ids=mb.input_ids[real].unsqueeze(0),
+        position_ids=positions[real].unsqueeze(0),
+        index=index,
+        valid=valid,
+    )
 
 
 def advantages_of(

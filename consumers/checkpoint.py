@@ -7,7 +7,9 @@ A checkpoint is a directory ``{root}/step-{step:08d}-v{version:08d}/`` holding
 - ``rng.safetensors``: torch CPU (and CUDA) generator states;
 - ``state.json``: :class:`CheckpointMeta` — step, version, the stream high-water id, the
   group and entry ids trained since the parent checkpoint (the audit trail), the
-  optimizer's scalar structure, Python's RNG state and the sha256 of every other file.
+  optimizer's scalar structure, Python's RNG state, the dataset position (the row cursor
+  and the rows handed out but not finished: streamer/position.py) and the sha256 of every
+  other file.
 
 It is written into a temporary directory, fsynced and renamed into place, so a directory
 with a final name is complete; ``state.json`` is written last and names the digest of each
@@ -32,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from streamer import weights
 from streamer.errors import CheckpointError
+from streamer.position import DataPosition
 from streamer.weights import atomic_dir, sha256_file
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
     optimizer: dict[str, Any]  # param_groups and non-tensor state of the optimizer
     python_rng: list[Any]  # random.getstate()
     created_at: float
+    data: DataPosition | None = None  # the dataset position when it was written (None: not read)
     format: int = FORMAT
 
 
@@ -71,6 +75,7 @@ def save(
     high_water: str,
     group_ids: list[str],
     entry_ids: list[str],
+    data: DataPosition | None = None,
 ) -> CheckpointMeta:
     """Write a checkpoint atomically; returns its metadata once it is durable on disk."""
     root = Path(root)
@@ -93,6 +98,7 @@ def save(
             optimizer=layout,
             python_rng=_jsonable(random.getstate()),
             created_at=time.time(),
+            data=data,
         )
         (tmp / STATE).write_bytes(msgspec.json.encode(meta))
     return meta

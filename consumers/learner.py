@@ -8,7 +8,9 @@ optimizer steps:
    reference model's, when ``kl_coef > 0``), plus the policy entropy as a metric, all at
    the sampler's temperature;
 2. split the batch into ``ppo_minibatches`` row slices; for each, accumulate gradients
-   over micro-batches of ``micro_batch_size`` rows (normalised by the whole minibatch),
+   over micro-batches of ``micro_batch_size`` rows, or of rows bucketed by length up to
+   ``micro_batch_tokens`` tokens (packed without padding where the attention allows it:
+   :meth:`Learner.packs`), each normalised by the whole minibatch's denominator,
    clip the global grad norm, set the scheduled LR (consumers/schedule.py) and take one
    AdamW update (skipped if the gradient is not finite: consumers/precision.py).
 
@@ -22,14 +24,13 @@ of passes (a rank short of rows runs a zero-loss one: each forward is a collecti
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import torch
 
 from consumers import checkpoint, distributed, losses, precision, schedule
 from consumers import loss as L
-from consumers.batch import Batch
+from consumers.batch import Batch, Packed, pack
 from consumers.distributed import DataParallel
 from streamer import lora, weights
 from streamer.config import TrainerSection
@@ -88,6 +89,10 @@ class Learner:
                     distributed.shard_model(m, param_dtype=gathered)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.loss_params = losses.params_of(cfg.loss, cfg)
+        self.packing = cfg.micro_batch_tokens > 0 and self.packs(model)
+        if cfg.micro_batch_tokens > 0:
+            how = "packed without padding" if self.packing else "bucketed by length, padded (no packing)"
+            log.info("micro-batches of up to %d tokens, %s", cfg.micro_batch_tokens, how)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
 
     @property
@@ -130,9 +135,58 @@ class Learner:
             out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         return out.logits[:, :-1]
 
+    @torch.no_grad()
+    def packs(self, model) -> bool:
+        """Whether ``model`` keeps packed rows apart: two short sequences end to end, with
+        position ids restarting at 0 and no attention mask, must give each one's own logits
+        (transformers' sdpa/eager masks and flash-attention's varlen do; a model that ignores
+        the position ids in its mask, or does not take them, is trained bucketed and padded)."""
+        ids = torch.arange(2, 14, device=self.device).remainder(model.config.vocab_size).unsqueeze(0)
+        a, b = ids[:, :7], ids[:, 7:]
+        positions = torch.cat([torch.arange(7), torch.arange(5)]).unsqueeze(0).to(self.device)
+        training = model.training
+        model.eval()
+        try:
+            with self.precision.autocast():
+                apart = [model(input_ids=x, use_cache=False).logits.float() for x in (a, b)]
+                both = model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
+        except (TypeError, ValueError, RuntimeError) as e:
+            log.info("packing not supported by this model (%s)", e)
+            return False
+        finally:
+            model.train(training)
+        tol = 1e-3 if self.precision.dtype == torch.float32 else 5e-2
+        scale = max(float(torch.cat(apart, 1).abs().max()), 1.0)
+        return float((torch.cat(apart, 1) - both).abs().max()) <= tol * scale
+
+    def micro_batches(self, batch: Batch) -> list[torch.Tensor]:
+        """Row indices of ``batch``'s micro-batches (see :meth:`Batch.micro_batches`)."""
+        cfg = self.cfg
+        return batch.micro_batches(
+            rows=cfg.micro_batch_size, tokens=cfg.micro_batch_tokens, packed=self.packing
+        )
+
+    def token_logprobs(self, model, mb: Batch, *, entropy: bool = False) -> tuple[torch.Tensor, float]:
+        """``mb``'s (b, T-1) target log-probs under ``model`` (packed or padded), and with
+        ``entropy`` the policy entropy summed over its trained tokens, weighted (else 0)."""
+        p: Packed | None = pack(mb) if self.packing else None
+        if p is None:
+            logits, targets, weights = self.forward_logits(model, mb), mb.targets, mb.weights
+        else:
+            with self.precision.autocast():
+                out = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False)
+            logits, targets, weights = out.logits[:, :-1], p.targets, p.pack(mb.weights)  # (1, L-1, ...)
+        logp = L.token_logprobs(logits, targets, self.temperature)
+        ent_sum = 0.0
+        if entropy:
+            trained = weights > 0
+            ent_sum = float((L.token_entropy(logits[trained], self.temperature) * weights[trained]).sum())
+        return (logp if p is None else p.unpack(logp)), ent_sum
+
     def _passes(self, whole: Batch) -> int:
         """Sharded: the micro-batch passes every rank runs on its share of ``whole``."""
-        return math.ceil(math.ceil(whole.size / self.dp.world) / self.cfg.micro_batch_size)
+        shares = (whole.rows(torch.arange(r, whole.size, self.dp.world)) for r in range(self.dp.world))
+        return max(len(self.micro_batches(share)) if share.size else 0 for share in shares)
 
     def _idle(self, whole: Batch, *, backward: bool) -> None:
         """Sharded: a pass with no rows of this rank's (one row of ``whole``, zero loss), so
@@ -149,34 +203,30 @@ class Learner:
         """Fill ``prox_logp`` (and ``ref_logp``); returns the batch and its summed weighted entropy.
 
         ``whole``: the minibatch ``batch`` is this rank's share of (sharded ranks pad passes)."""
+        micros = self.micro_batches(batch) if batch.size else []
         if self.sharded and whole is not None:
-            idle = self._passes(whole) - math.ceil(batch.size / self.cfg.micro_batch_size)
-            for _ in range(idle):
+            for _ in range(self._passes(whole) - len(micros)):
                 self._idle(whole, backward=False)
         if batch.size == 0:  # a data-parallel rank's share of a small minibatch
             return batch, 0.0
-        micro = self.cfg.micro_batch_size
         training = self.model.training
         self.model.eval()  # no adapter dropout in the proximal policy
-        prox, ref, ent_sum = [], [], 0.0
-        width = batch.weights.shape[1]
-        for mb in batch.chunks(micro):
+        prox = torch.zeros_like(batch.weights)  # (B, T-1); micro-batches may take rows in any order
+        ref = torch.zeros_like(batch.weights) if self.ref_model is not None else None
+        ent_sum = 0.0
+        for rows in micros:
+            mb = batch.rows(rows)
             t0 = self._clock()
-            logits = self.forward_logits(self.model, mb)
-            prox.append(_pad(L.token_logprobs(logits, mb.targets, self.temperature), width))
-            trained = mb.weights > 0
-            ent = L.token_entropy(logits[trained], self.temperature)
-            ent_sum += float((ent * mb.weights[trained]).sum())
-            del logits
+            logp, ent = self.token_logprobs(self.model, mb, entropy=True)
+            prox[rows] = _pad(logp, prox.shape[1])
+            ent_sum += ent
             t1 = self._clock()
             self.phases["proximal_forward_seconds"] += t1 - t0
-            if self.ref_model is not None:
-                ref_logits = self.forward_logits(self.ref_model, mb)
-                ref.append(_pad(L.token_logprobs(ref_logits, mb.targets, self.temperature), width))
+            if ref is not None:
+                ref[rows] = _pad(self.token_logprobs(self.ref_model, mb)[0], ref.shape[1])
                 self.phases["reference_forward_seconds"] += self._clock() - t1
         self.model.train(training)
-        batch = batch.replace(prox_logp=torch.cat(prox), ref_logp=torch.cat(ref) if ref else None)
-        return batch, ent_sum
+        return batch.replace(prox_logp=prox, ref_logp=ref), ent_sum
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One trainer step on ``batch`` (``ppo_minibatches`` optimizer steps); returns its metrics."""
@@ -222,11 +272,11 @@ class Learner:
         """
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
-        denom = L.normalizer(whole.weights, cfg.loss_agg)
+        denom = L.normalizer(whole.weights, cfg.aggregation)
         n_tok = max(float((whole.weights > 0).sum()), 1.0)
         out = {"loss": 0.0, "is_weight_max": 0.0}
         t0 = self._clock()
-        micros = list(mb.chunks(cfg.micro_batch_size)) if mb.size else []
+        micros = [mb.rows(rows) for rows in self.micro_batches(mb)] if mb.size else []
         passes = self._passes(whole) if self.sharded else len(micros)
         for i in range(passes):
             if self.sharded:  # reduce-scatter once, after the last pass
@@ -235,8 +285,7 @@ class Learner:
                 self._idle(whole, backward=True)
                 continue
             micro = micros[i]
-            logits = self.forward_logits(self.model, micro)
-            logp = L.token_logprobs(logits, micro.targets, self.temperature)
+            logp = self.token_logprobs(self.model, micro)[0]
             loss, stats = L.policy_loss(
                 cfg.loss,
                 params=self.loss_params,
@@ -247,7 +296,7 @@ class Learner:
                 weights=micro.weights,
                 kl_coef=cfg.kl_coef,
                 ref_logp=micro.ref_logp,
-                agg=cfg.loss_agg,
+                agg=cfg.aggregation,
                 denom=denom,
             )
             self.precision.backward(loss)

@@ -9,8 +9,10 @@ Per trained token t of sample i, with group advantage A_i:
     loss     = agg(pg_t + kl_coef * kl_t)                        token-mean or seq-mean
 
 ``pg_t`` above is the default ``grpo`` term; ``trainer.loss`` picks another from the family
-in consumers/losses.py (dapo, gspo, cispo, reinforce, importance_sampling), aggregated here
-the same way. The two aggregations, with m_it = 1 on trained tokens (weight > 0):
+in consumers/losses.py (dapo, gspo, cispo, reinforce, importance_sampling, dro, or one of
+one's own), aggregated here the same way (``trainer.loss_agg = "auto"``: seq-mean for gspo,
+whose objective is a mean over sequences, token-mean otherwise). The two aggregations, with
+m_it = 1 on trained tokens (weight > 0):
 
     token-mean = sum_i sum_t m_it x_it / sum_i sum_t m_it
     seq-mean   = sum_i [sum_t m_it x_it / sum_t m_it] / #{i : sum_t m_it > 0}

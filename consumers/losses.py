@@ -14,15 +14,33 @@ token; they differ in how they bound the update once the policy moves or the dat
 
 Each function returns :class:`Terms`: ``pg`` (with grad through ``logp``), the ratio that
 was clipped (detached) and which tokens the low and the high clip bound was active on.
+
+**A loss of one's own**: ``trainer.loss = "package.module:function"`` names a function with
+the built-ins' call signature, all keyword arguments, every tensor (B, T) float32 on the
+training device except ``advantages`` (B,)::
+
+    def my_loss(*, logp, prox_logp, sampler_logp, advantages, weights) -> Terms | torch.Tensor
+
+``logp`` is the current policy's log-prob of each target token (the only input with a
+gradient), ``prox_logp`` the proximal policy's (recomputed before the updates),
+``sampler_logp`` the sampler's, ``weights`` the loss mask (0 on prompt, padding and masked
+tokens; positions where it is 0 are ignored, whatever the function returns there). It
+returns the per-token term ``pg`` to minimise, as a (B, T) tensor or as :class:`Terms`
+(then its clip statistics are reported); aggregation (``trainer.loss_agg``: a user loss is
+token-mean under "auto") and the KL term are added by the trainer. It takes no config keys:
+constants live in the function.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from streamer.config import LOSS_KEYS, TrainerSection
+from streamer.imports import load_function
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -98,8 +116,9 @@ def gspo(*, logp, prox_logp, sampler_logp, advantages, weights, tis_cap, eps_low
     pg_t  = -W_i * min(s_i,t A, clip(s_i,t, 1 - eps_low, 1 + eps_high) A)
 
     The whole sequence is clipped or not, so the bounds are much tighter than per-token
-    PPO's (defaults 3e-4 / 4e-4). Meant for ``loss_agg = "seq-mean"`` (the paper's
-    sequence-mean of token-means). Reads ``[trainer.gspo]`` and ``trainer.tis_cap``.
+    PPO's (defaults 3e-4 / 4e-4). Aggregated by ``seq-mean`` (the paper's sequence-mean of
+    token-means; what ``loss_agg = "auto"`` picks for gspo: token-mean would weigh each
+    sequence by its length). Reads ``[trainer.gspo]`` and ``trainer.tis_cap``.
     """
     adv = advantages.detach().float().unsqueeze(-1)
     m = (weights > 0).float()
@@ -158,6 +177,24 @@ def importance_sampling(*, logp, prox_logp, sampler_logp, advantages, weights) -
     return Terms(pg, ratio, none, none)
 
 
+def dro(*, logp, prox_logp, sampler_logp, advantages, weights, beta) -> Terms:
+    """DRO (the seed's objective): the policy gradient with a quadratic penalty that keeps
+    the policy near the one that sampled the data, instead of a clip or an importance weight::
+
+    pg_t = -(A * logp_t - beta / 2 * (logp_t - sampler_t)^2)
+
+    On fresh data the penalty and its gradient are 0 (plain GRPO); once the policy moves
+    away from the sampler's the penalty pulls it back, smoothly, at every token. Reads
+    ``[trainer.dro]``.
+    """
+    adv = advantages.detach().float().unsqueeze(-1)
+    drift = logp - sampler_logp.detach()
+    pg = -(adv * logp - 0.5 * beta * drift.square())
+    ratio = log_ratio(logp, prox_logp.detach()).exp().detach()
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    return Terms(pg, ratio, none, none)
+
+
 LOSSES = {
     "grpo": grpo,
     "dapo": dapo,
@@ -165,13 +202,17 @@ LOSSES = {
     "cispo": cispo,
     "reinforce": reinforce,
     "importance_sampling": importance_sampling,
+    "dro": dro,
 }
+LossFn = Callable[..., Terms]
 
 
 def params_of(name: str, cfg: TrainerSection) -> dict[str, float]:
-    """The keyword arguments loss ``name`` takes from the trainer config (beyond the tensors)."""
+    """The keyword arguments loss ``name`` takes from the trainer config (beyond the tensors);
+    none for a loss of one's own (loaded here, so a bad import path fails early)."""
     if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; one of {', '.join(LOSSES)}")
+        resolve(name)
+        return {}
     out = {}
     for key in LOSS_KEYS[name]:
         section, _, field = key.rpartition(".")
@@ -179,8 +220,33 @@ def params_of(name: str, cfg: TrainerSection) -> dict[str, float]:
     return out
 
 
+@functools.cache
+def resolve(name: str) -> LossFn:
+    """The loss ``name`` names: a built-in, or a ``module:function`` of one's own (wrapped to
+    return :class:`Terms`); a ConfigError naming ``trainer.loss`` if it cannot be loaded."""
+    if name in LOSSES:
+        return LOSSES[name]
+    if ":" not in name:
+        raise ValueError(f"unknown loss {name!r}; one of {', '.join(LOSSES)} or 'module:function'")
+    fn = load_function(name, what="`trainer.loss`")
+
+    @functools.wraps(fn)
+    def user_loss(*, logp, prox_logp, sampler_logp, advantages, weights) -> Terms:
+        out = fn(
+            logp=logp, prox_logp=prox_logp, sampler_logp=sampler_logp, advantages=advantages, weights=weights
+        )
+        if isinstance(out, Terms):
+            return out
+        if not isinstance(out, torch.Tensor) or out.shape != logp.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"loss {name!r} returned {got}; expected Terms or a {tuple(logp.shape)} tensor")
+        ratio = log_ratio(logp, prox_logp.detach()).exp().detach()
+        none = torch.zeros_like(ratio, dtype=torch.bool)
+        return Terms(out, ratio, none, none)
+
+    return user_loss
+
+
 def terms(name: str, **kwargs) -> Terms:
     """Run loss ``name`` on tensors and its parameters (see :func:`params_of`)."""
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; one of {', '.join(LOSSES)}")
-    return LOSSES[name](**kwargs)
+    return resolve(name)(**kwargs)

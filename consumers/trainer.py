@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from consumers import advantages, checkpoint, distributed
+from consumers import advantages, checkpoint, distributed, losses
 from consumers.batch import collator
 from consumers.distributed import DataParallel
 from consumers.feed import Feeder, Ready
@@ -42,7 +42,7 @@ from consumers.lineage import Lineage
 from consumers.versions import VersionPublisher
 from schemas import MetricsEvent, WeightSync
 from schemas.metric_names import REJECT_REASONS
-from streamer import lifecycle, lora, models, rundir, weights
+from streamer import lifecycle, lora, models, position, rundir, weights
 from streamer.admission import Admission
 from streamer.bus import Publisher, Tail, scan
 from streamer.config import RunConfig
@@ -87,6 +87,7 @@ class Trainer:
         self.parent: str | None = None  # the newest checkpoint
         self.checkpointed_version = -1
         self.high_water = "0-0"  # the restored checkpoint's newest entry id trained into the model
+        self.data_position: position.DataPosition | None = None  # the restored checkpoint's
         self.feed: Feeder | None = None
         self.lineage = Lineage()  # staleness along the version tree (consumers/lineage.py)
         self._mismatch_warned = False
@@ -113,6 +114,13 @@ class Trainer:
     def start(self) -> None:
         self._restore()
         self._check_server_state()
+        if (queued := position.recover(self.client, self.keys, self.data_position)) is not None:
+            log.warning(
+                "the server lost the dataset position: restored from %s (cursor %d, %d open rows requeued)",
+                self.parent,
+                self.data_position.cursor,
+                queued,
+            )
         self.version = self._next_version()
         self.lineage = Lineage().load(self._policy_history())
         self.versions.publish_now(self.learner.publishable, version=self.version, step=self.step)
@@ -150,6 +158,7 @@ class Trainer:
             path, meta = found
             self.learner.restore(path, meta)
             self.parent, self.high_water, self.checkpointed_version = meta.name, meta.high_water, meta.version
+            self.data_position = meta.data
             log.info("restored checkpoint %s (step %d, high-water %s)", meta.name, meta.step, meta.high_water)
         self.learner.gather()  # sharded: the weights publish_now writes
 
@@ -186,8 +195,8 @@ class Trainer:
             log.error(
                 "the server has no state for run %s, but checkpoint %s exists: the server lost its "
                 "data (restarted without persistence, or flushed). The model is safe: training resumes "
-                "from %s under a new version number; the groups in flight and the dataset position "
-                "were lost with the server (rows are handed out again). If the server should still "
+                "from %s under a new version number; the groups in flight were lost with the server "
+                "(the dataset position comes back from the checkpoint). If the server should still "
                 "have them, stop now and restore its data (AOF/RDB) before starting the trainer again.",
                 self.keys.run,
                 self.parent,
@@ -307,6 +316,7 @@ class Trainer:
         """Persist what was trained, then acknowledge the entries it covers."""
         self.versions.drain()  # its version is published before a checkpoint names it
         covered = self.feed.covered()
+        data = position.read(self.client, self.keys, give_up_after=self.give_up_after)
         if self.dp and self.dp.sharded:  # the optimizer state is gathered by every rank
             self.dp.send_checkpoint()
         meta = checkpoint.save(
@@ -319,6 +329,7 @@ class Trainer:
             high_water=covered.high_water,
             group_ids=covered.group_ids,
             entry_ids=covered.entry_ids,
+            data=data,
         )
         self.parent, self.checkpointed_version = meta.name, meta.version
         self.feed.checkpointed(covered, give_up_after=self.give_up_after)
@@ -380,6 +391,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     try:
         url = cfg.require_redis_url()
         group_filter = GroupFilter.from_config(cfg.trainer)  # a bad user_filter: before anything runs
+        losses.resolve(cfg.trainer.loss)  # and a bad loss import path
         advantages.check_group_size(
             advantages.resolve(cfg.trainer),
             group_size=cfg.producer.group_size,

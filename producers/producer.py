@@ -20,6 +20,7 @@ seconds, otherwise handed back (requeued first) and the process exits 0.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -262,7 +263,7 @@ class Producer:
 
     async def _work(self, ticket: int) -> str:
         pos = self.order.position(ticket)
-        row = self.task.rows[pos.row]
+        row = copy.deepcopy(self.task.rows[pos.row])  # a rollout that edits its row changes no later epoch
         try:  # the slot is the lease's (atomically: a retried admission takes no second one)
             admission_wait = await self._redis(
                 self.admission.wait, self.stop.is_set, ticket=ticket, owner=self.id

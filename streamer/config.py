@@ -168,10 +168,15 @@ class CispoSection(_Section):
     eps_high: NonNegFloat = 4.0  # (cispo) IS weight <= 1 + eps_high
 
 
-Precision = Literal["auto", "float32", "bfloat16", "float16"]
-LossName = Literal["grpo", "dapo", "gspo", "cispo", "reinforce", "importance_sampling"]
+class DroSection(_Section):
+    beta: NonNegFloat = 1.0  # (dro) weight of the quadratic penalty (logp - sampler logp)^2 / 2
 
-# loss -> the trainer keys it reads (dotted: its own section); the config reference prints it
+
+Precision = Literal["auto", "float32", "bfloat16", "float16"]
+LossAgg = Literal["auto", "token-mean", "seq-mean"]
+
+# loss -> the trainer keys it reads (dotted: its own section); the config reference prints it.
+# `trainer.loss` may also be "module:function", a loss of one's own (consumers/losses.py)
 LOSS_KEYS = {
     "grpo": ("tis_cap", "eps_low", "eps_high"),
     "dapo": ("tis_cap", "dapo.eps_low", "dapo.eps_high", "dapo.eps_clip_c"),
@@ -179,7 +184,9 @@ LOSS_KEYS = {
     "cispo": ("tis_cap", "cispo.eps_low", "cispo.eps_high"),
     "reinforce": ("tis_cap",),
     "importance_sampling": (),
+    "dro": ("dro.beta",),
 }
+SEQ_MEAN_LOSSES = ("gspo",)  # losses whose objective is a sequence mean: loss_agg "auto" picks seq-mean
 ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo")
 
 
@@ -201,7 +208,7 @@ class TrainerSection(_Section):
     eps_high: NonNegFloat = 0.2  # PPO clip: ratio <= 1 + eps_high
     tis_cap: PosFloat = 5.0  # truncated importance weight cap against sampler log-probs
     kl_coef: NonNegFloat = 0.0  # k3 KL to the frozen initial model; 0 = no reference model
-    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"  # loss aggregation
+    loss_agg: LossAgg = "auto"  # auto = seq-mean for gspo (the paper's objective), token-mean otherwise
     std_normalize: bool = True  # divide advantages by the group std (floored)
     std_floor: PosFloat = 1e-4  # floor of the group std
     overlong: Literal["drop", "mask", "keep"] = "drop"  # samples truncated without EOS
@@ -212,8 +219,11 @@ class TrainerSection(_Section):
     fsdp: bool = False  # under torchrun: shard weights, grads and AdamW state over the ranks (FSDP2)
     min_group_size: PosInt = 2  # fewer samples (after dropping over-long ones) rejects the group
     micro_batch_size: NonNegInt = 0  # samples per forward/backward (grad accumulation); 0 = whole minibatch
+    micro_batch_tokens: NonNegInt = (
+        0  # tokens per forward/backward, samples bucketed by length (overrides micro_batch_size); 0 = off
+    )
     keep_checkpoints: PosInt = 2  # full checkpoints kept; older ones keep only their audit metadata
-    loss: LossName = "grpo"  # grpo, dapo, gspo, cispo, reinforce, importance_sampling (table below)
+    loss: str = "grpo"  # grpo, dapo, gspo, cispo, reinforce, importance_sampling, dro or module:function
     advantage: str = "grpo"  # grpo (z-score), dr_grpo (no std), rloo (leave one out) or module:function
     max_seq_len: NonNegInt = (
         0  # samples (prompt + completion) longer: dropped by producers, rejected here (too_long); 0 = off
@@ -222,6 +232,7 @@ class TrainerSection(_Section):
     dapo: DapoSection = msgspec.field(default_factory=DapoSection)  # read when loss = "dapo"
     gspo: GspoSection = msgspec.field(default_factory=GspoSection)  # read when loss = "gspo"
     cispo: CispoSection = msgspec.field(default_factory=CispoSection)  # read when loss = "cispo"
+    dro: DroSection = msgspec.field(default_factory=DroSection)  # read when loss = "dro"
 
     def __post_init__(self) -> None:
         if self.lr_schedule != "constant" and not (self.lr_decay_steps or self.steps):
@@ -233,6 +244,17 @@ class TrainerSection(_Section):
                 f"`advantage` must be one of {', '.join(ADVANTAGE_NAMES)} or 'module:function', "
                 f"got {self.advantage!r}"
             )
+        if ":" not in self.loss and self.loss not in LOSS_KEYS:
+            raise ValueError(
+                f"`loss` must be one of {', '.join(LOSS_KEYS)} or 'module:function', got {self.loss!r}"
+            )
+
+    @property
+    def aggregation(self) -> Literal["token-mean", "seq-mean"]:
+        """``loss_agg`` with "auto" resolved: seq-mean for the sequence-level losses (gspo)."""
+        if self.loss_agg != "auto":
+            return self.loss_agg
+        return "seq-mean" if self.loss in SEQ_MEAN_LOSSES else "token-mean"
 
 
 SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # an eval set's name: a bare TOML key, a label value

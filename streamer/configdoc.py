@@ -76,8 +76,14 @@ def _loss_table() -> list[str]:
     for name, keys in config.LOSS_KEYS.items():
         lines.append(f"| `{name}` | {', '.join(f'`trainer.{k}`' for k in keys) or 'none'} |")
     lines += [
+        '| `"module:function"` | none: a loss of one\'s own, called like the built-ins '
+        "(signature in consumers/losses.py) |",
         "",
-        '`loss_agg = "seq-mean"` averages each sequence\'s trained tokens, then divides by the number '
+        '`loss_agg = "auto"` is `seq-mean` for '
+        + ", ".join(f"`{n}`" for n in config.SEQ_MEAN_LOSSES)
+        + " (a sequence-level objective: token-mean would weigh each sequence by its length) and "
+        "`token-mean` for every other loss. "
+        "`seq-mean` averages each sequence's trained tokens, then divides by the number "
         "of sequences with at least one trained token (not by all rows): a fully masked sample does "
         "not dilute the mean.",
     ]

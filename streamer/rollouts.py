@@ -42,18 +42,23 @@ def read_lines(path: Path, skip: int = 0) -> list[str]:
     return out
 
 
+def _adv(value: float | None) -> str:
+    return "  none" if value is None else f"{value:+.3f}"  # none: not trained (dropped or rejected)
+
+
 def format_group(rec: dict, *, min_reward: float | None = None) -> str | None:
     comps = [c for c in rec["completions"] if min_reward is None or c["reward"] >= min_reward]
     if not comps:
         return None
+    judged = f" (archiver at v{rec['verdict_version']})" if "verdict_version" in rec else ""
     head = (
         f"== {rec['id']}  row {rec['row']}  producer {rec['producer']}  version {rec['policy_version']}  "
-        f"{rec['verdict']}  {datetime.fromtimestamp(rec['published_at']).strftime('%H:%M:%S')}"
+        f"{rec['verdict']}{judged}  {datetime.fromtimestamp(rec['published_at']).strftime('%H:%M:%S')}"
     )
     lines = [head, f"prompt: {rec['prompt']!r}"]
     for c in comps:
         lines.append(
-            f"  reward {c['reward']:+.3f}  adv {c['advantage']:+.3f}  v{c['version']}  "
+            f"  reward {c['reward']:+.3f}  adv {_adv(c['advantage'])}  v{c['version']}  "
             f"{c['finish_reason']:<6} {c['text']!r}"
         )
     return "\n".join(lines)

@@ -1,9 +1,10 @@
 """K learner steps on fixed batches, on one device or as one rank under torchrun.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/dp_steps.py OUT_DIR [fsdp]
+    python -m torch.distributed.run --nproc-per-node 2 tests/dp_steps.py OUT_DIR [fsdp] [tokens]
 
 Rank 0 writes OUT_DIR/metrics.json (per-step metrics) and OUT_DIR/weights.safetensors;
-tests/test_distributed.py compares them with :func:`run` on one device.
+tests/test_distributed.py compares them with :func:`run` on one device (``tokens``: the
+ranks take token-budget micro-batches, one device whole rows: the same gradient).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import random
 import sys
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors.torch import save_file
 
@@ -27,6 +29,7 @@ from streamer.config import TrainerSection
 
 STEPS = 3
 CFG = TrainerSection(groups_per_step=5, ppo_minibatches=3, micro_batch_size=3, lr=1e-3, warmup_steps=0)
+TOKENS = 19  # micro_batch_tokens under "tokens": 1 or 2 rows of 9-10 tokens; ranks run 2 or 3 passes
 
 
 def batches() -> list:
@@ -39,9 +42,11 @@ def batches() -> list:
     return out
 
 
-def run(dp: DataParallel | None = None) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def run(
+    dp: DataParallel | None = None, cfg: TrainerSection = CFG
+) -> tuple[list[dict], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    learner = Learner(demo.build_model(seed=0), CFG, dp=dp)
+    learner = Learner(demo.build_model(seed=0), cfg, dp=dp)
     metrics = [learner.train_step(b) for b in batches()]
     full = learner.full if learner.sharded else learner.model.state_dict()  # sharded: gathered on rank 0
     state = {k: v.detach().clone().contiguous() for k, v in full.items()}
@@ -50,8 +55,10 @@ def run(dp: DataParallel | None = None) -> tuple[list[dict], dict[str, torch.Ten
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    dp = DataParallel.init(sharded=sys.argv[2:] == ["fsdp"])
-    metrics, state = run(dp)
+    flags = sys.argv[2:]
+    dp = DataParallel.init(sharded="fsdp" in flags)
+    tokens = msgspec.structs.replace(CFG, micro_batch_tokens=TOKENS)
+    metrics, state = run(dp, tokens if "tokens" in flags else CFG)
     if dp is None or dp.rank == 0:
         out = Path(sys.argv[1])
         out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ bounded trimming lag, and a broken disk that stops archiving without holding any
 from __future__ import annotations
 
 import errno
+import gzip
+import json
 import logging
 import random
 import subprocess
@@ -55,6 +57,36 @@ def test_every_group_is_archived_as_text_and_samples_prints_it(client, keys, red
     assert out.count("== ") == 6 and "reward +0.000" not in out
     info = {g["name"].decode(): g for g in client.xinfo_groups(keys.traj)}
     assert info[ARCHIVE_GROUP]["pending"] == 0
+
+
+def _records(cfg) -> list[dict]:
+    return [json.loads(line) for f in sorted(archive_dir(cfg).glob("*.gz")) for line in gzip.open(f, "rt")]
+
+
+def test_archive_advantages_are_the_trainers_and_the_verdict_says_who_judged(
+    client, keys, redis_url, tmp_path, capsys
+):
+    cfg = replace(_cfg(keys, redis_url, tmp_path), trainer={"advantage": "rloo", "overlong": "drop"})
+    rng = random.Random(1)
+    groups = [
+        make_group(rng, rewards=(1.0, 0.0, 0.0, 1.0)),
+        make_group(rng, rewards=(1.0, 0.0, 1.0), finishes=["stop", "stop", "length"]),  # one dropped
+        make_group(rng, rewards=(0.5, 0.5)),  # zero variance: rejected, trains nothing
+    ]
+    publish(client, keys.traj, groups)
+    archiver = Archiver(cfg, client=client, tokenizer=demo.tokenizer())
+    while archiver.step(block=0.1):
+        pass
+    archiver.close()
+    recs = _records(cfg)
+    adv = [[c["advantage"] for c in r["completions"]] for r in recs]
+    assert adv[0] == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])  # rloo, as the trainer computes it
+    assert adv[1][:2] == pytest.approx([1.0, -1.0]) and adv[1][2] is None  # rloo over the two kept
+    assert adv[2] == [None, None] and recs[2]["verdict"] == "zero_variance"
+    assert {(r["verdict_by"], r["verdict_version"]) for r in recs} == {("archiver", 0)}
+    assert cli.main(["samples", *_args(cfg, "--last", "3")]) == 0
+    out = capsys.readouterr().out
+    assert "accepted (archiver at v0)" in out and "adv   none" in out
 
 
 def test_samples_and_dead_on_a_run_that_does_not_exist_say_so_and_exit_2(redis_url, tmp_path, capsys):

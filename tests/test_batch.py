@@ -76,9 +76,8 @@ def test_split_trims_padding_and_keeps_rows():
         assert p.weights.shape[1] == p.input_ids.shape[1] - 1 == p.sampler_logp.shape[1]
     assert sum(p.num_tokens for p in parts) == batch.num_tokens
     assert len(batch.split(100)) == 9
-    chunks = batch.chunks(4)
-    assert [c.size for c in chunks] == [4, 4, 1]
-    assert batch.chunks(0) == [batch]
+    assert [ix.tolist() for ix in batch.micro_batches(rows=4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert [ix.tolist() for ix in batch.micro_batches(rows=0)] == [list(range(9))]
 
 
 def test_collate_rejects_nothing_to_train():

@@ -29,6 +29,7 @@ RATIO = re.compile(r"^ratios: (\S+=\d+\.\d\dx.*)$")
         ("weight_sync.py", ["demo_1p", "demo_1p_path"]),
         ("producer_overhead.py", ["producer_vs_bare_per_group", "canned_producer_vs_bare_per_group"]),
         ("gpu_check.py", ["bf16_over_fp32_tokens_per_s"]),  # on CPU here: the checks' code runs
+        ("packing.py", ["packed_vs_padded", "bucketed_vs_padded"]),
     ],
 )
 def test_bench_quick_prints_ratios(script, expected):

@@ -43,9 +43,10 @@ def torchrun(
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
-@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+@pytest.mark.parametrize("mode", ["replicate", "fsdp", "fsdp-token_budget"])
 def test_two_ranks_equal_one_device_to_1e_5(tmp_path, mode):
-    done = torchrun(str(HERE / "dp_steps.py"), str(tmp_path), *(["fsdp"] if mode == "fsdp" else []))
+    flags = {"replicate": [], "fsdp": ["fsdp"], "fsdp-token_budget": ["fsdp", "tokens"]}[mode]
+    done = torchrun(str(HERE / "dp_steps.py"), str(tmp_path), *flags)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranked = json.loads((tmp_path / "metrics.json").read_text())
     weights = load_file(tmp_path / "weights.safetensors")

@@ -109,7 +109,68 @@ def test_importance_sampling_against_the_sampler():
     assert _grad(loss, logp) == [_approx([-0.25, -1.0])]
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "cispo", "reinforce"])
+def test_dro_penalises_the_distance_to_the_sampler():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    sampler = torch.tensor([[-1.5, -2.0]])  # the first token moved by +0.5 since it was sampled
+    loss, stats = _run("dro", logp, adv=[2.0], prox=logp.detach(), sampler=sampler, beta=0.5)
+    # pg = -(A logp - beta/2 (logp - sampler)^2), token-mean over 2 tokens
+    assert loss.item() == _approx((-(2.0 * -1.0 - 0.25 * 0.25) - 2.0 * -2.0) / 2)
+    assert _grad(loss, logp) == [_approx([(-2.0 + 0.5 * 0.5) / 2, -2.0 / 2])]
+    assert float(stats["clip_fraction"]) == 0.0
+
+
+def halved_reinforce(*, logp, prox_logp, sampler_logp, advantages, weights):
+    """A loss of one's own for the tests: half of plain REINFORCE, as a (B, T) tensor."""
+    return -0.5 * advantages.unsqueeze(-1) * logp
+
+
+def test_a_loss_of_ones_own_by_import_path():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, stats = _run("test_losses:halved_reinforce", logp, adv=[2.0], prox=logp.detach())
+    assert loss.item() == _approx(-0.5 * 2.0 * (-3.0) / 2)
+    assert _grad(loss, logp) == [_approx([-0.5, -0.5])]
+    assert float(stats["ratio_mean"]) == _approx(1.0)
+    cfg = parse_config(b'[trainer]\nloss = "test_losses:halved_reinforce"\n').trainer
+    assert losses.params_of(cfg.loss, cfg) == {} and cfg.aggregation == "token-mean"
+    with pytest.raises(ConfigError, match=r"`trainer.loss` 'test_losses:nothing'"):
+        losses.params_of("test_losses:nothing", cfg)
+    with pytest.raises(ConfigError, match=r"trainer.loss.*module:function"):
+        parse_config(b'[trainer]\nloss = "dr0"\n')
+
+
+def test_loss_of_ones_own_with_a_wrong_shape_is_a_clear_error():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"returned \(1,\); expected Terms or a \(1, 2\) tensor"):
+        _run("test_losses:summed_loss", logp, adv=[1.0])
+
+
+def summed_loss(*, logp, prox_logp, sampler_logp, advantages, weights):
+    return logp.sum(-1)
+
+
+def test_gspo_aggregates_by_sequence_unless_told_otherwise():
+    assert TrainerSection(loss="gspo").aggregation == "seq-mean"
+    assert TrainerSection(loss="gspo", loss_agg="token-mean").aggregation == "token-mean"
+    assert TrainerSection(loss="grpo").aggregation == "token-mean"
+    assert TrainerSection(loss="dro", loss_agg="seq-mean").aggregation == "seq-mean"
+
+
+def test_gspo_learner_weighs_sequences_equally_by_default():
+    """Under the default loss_agg, a long and a short sequence with opposite advantages pull
+    equally: the step's policy loss is the sequence mean, not the token mean."""
+    model = demo.build_model(0)
+    rng = random.Random(3)
+    batch = collate([make_group(rng, model=model, rewards=(1.0, 0.0, 0.5, 0.0))])
+    stats = {}
+    for agg in ("auto", "seq-mean", "token-mean"):
+        fresh = demo.build_model(0)
+        learner = Learner(fresh, TrainerSection(lr=1e-3, loss="gspo", loss_agg=agg))
+        stats[agg] = learner.train_step(batch)["policy_loss"]
+    assert stats["auto"] == pytest.approx(stats["seq-mean"], abs=1e-7)
+    assert stats["auto"] != pytest.approx(stats["token-mean"], abs=1e-4)  # the lengths differ
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "cispo", "reinforce", "dro"])
 def test_every_loss_is_plain_grpo_on_policy(name):
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
     weights = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
@@ -183,7 +244,7 @@ def test_collator_uses_the_configured_advantage():
     assert collate([group]).advantages.tolist() == _approx([1, -1, -1, 1])
 
 
-@pytest.mark.parametrize("name", sorted(LOSS_KEYS))
+@pytest.mark.parametrize("name", [*sorted(LOSS_KEYS), "test_losses:halved_reinforce"])
 def test_each_loss_trains_the_demo_model(name):
     model = demo.build_model(0)
     rng = random.Random(1)

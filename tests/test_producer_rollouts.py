@@ -4,6 +4,7 @@ nothing published)."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import anyio
@@ -346,3 +347,22 @@ def test_an_unreachable_or_busy_rollout_service_is_an_outage_not_the_rows_failur
     assert client.hlen(keys.row_attempts) == 0, "an outage is not an attempt"
     assert client.lrange(keys.requeue, 0, -1) == [b"0"]
     _no_lease_or_slot_left(client, keys)
+
+
+def test_a_rollout_that_edits_its_row_leaves_the_dataset_as_it_was(keys, redis_url, tmp_path, client):
+    seen = []
+
+    async def edits(row, ctx):
+        seen.append(dict(row))
+        episodes = await single_turn(row, ctx)
+        row["edited"] = True  # an environment keeping state in its row
+        for value in row.values():
+            if isinstance(value, list):
+                value.append("turn")
+        return episodes
+
+    p = _producer(_cfg(keys, redis_url, tmp_path), client, rollout=edits)
+    original = copy.deepcopy(p.task.rows)
+    assert p.step() == "published"
+    assert p.task.rows == original, "a later epoch would see the edited row"
+    assert "edited" not in seen[0]
