@@ -87,6 +87,7 @@ def remote_sampler(cfg: RunConfig, stop_ids: list[int], *, url: str = "", model:
         retries=p.remote_retries,
         concurrency=p.remote_concurrency,
         engine=engines.profile(p.engine, reload_endpoint=p.reload_endpoint, lora_endpoint=p.lora_endpoint),
+        max_reply_bytes=p.max_reply_bytes,
     )
 
 

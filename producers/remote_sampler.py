@@ -26,6 +26,7 @@ adapter as their ``model``; adapters two versions old are unloaded.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -41,6 +42,13 @@ from streamer.errors import EpisodeRejected
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+MAX_REPLY_BYTES = 64 << 20
+
+
+class _TooLarge(Exception):
+    pass
+
+
 _TOKEN_PREFIX = "token_id:"
 _INT32_MAX = 2**31 - 1
 
@@ -56,6 +64,7 @@ class RemoteSampler:
         retries: int = 3,
         concurrency: int = 8,
         engine: Engine | None = None,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
         backoff: float = 0.5,
         max_backoff: float = 10.0,
     ):
@@ -64,6 +73,7 @@ class RemoteSampler:
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.timeout = timeout
         self.engine = engine or Vllm()
+        self.max_reply_bytes = max_reply_bytes
         self.adapters: list[str] = []  # loaded LoRA adapter names, oldest first
         self.max_parallel = concurrency  # engine calls a producer may have in flight at once
         self._slots = threading.BoundedSemaphore(concurrency)
@@ -152,23 +162,47 @@ class RemoteSampler:
     def close(self) -> None:
         self._http.close()
 
+    def _read(self, path: str, body: dict) -> tuple[int, bytes]:
+        """(status, body) of one POST, read as it streams in: at most ``max_reply_bytes``, all
+        of it within ``timeout`` seconds (an answer trickled in forever is a timeout)."""
+        deadline = time.monotonic() + self.timeout
+        with self._http.stream("POST", path, json=body) as resp:
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.max_reply_bytes:
+                raise _TooLarge(
+                    f"answer of {declared} bytes is over {self.max_reply_bytes} (producer.max_reply_bytes)"
+                )
+            chunks, size = [], 0
+            for chunk in resp.iter_bytes():
+                size += len(chunk)
+                if size > self.max_reply_bytes:
+                    raise _TooLarge(f"answer is over {self.max_reply_bytes} bytes (producer.max_reply_bytes)")
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(f"answer not complete after {self.timeout:.0f}s")
+                chunks.append(chunk)
+            return resp.status_code, b"".join(chunks)
+
     def _post(self, path: str, body: dict, *, as_json: bool = True):
         """POST with bounded retries; the JSON answer, or SamplerError."""
         attempt = 0
         while True:
             with self._slots:
                 try:
-                    resp = self._http.post(path, json=body)
-                    error = None if resp.status_code < 400 else f"HTTP {resp.status_code}: {resp.text[:200]}"
-                    retryable = resp.status_code in RETRY_STATUS
-                    refused = resp.status_code < 500 and not retryable  # this request is wrong
+                    status, content = self._read(path, body)
+                    error = (
+                        None if status < 400 else f"HTTP {status}: {content[:200].decode(errors='replace')}"
+                    )
+                    retryable = status in RETRY_STATUS
+                    refused = status < 500 and not retryable  # this request is wrong
                 except httpx.TransportError as e:
                     error, retryable, refused = f"{type(e).__name__}: {e}", True, False
+                except _TooLarge as e:  # the engine's answer to this request: asking again gives the same
+                    error, retryable, refused = str(e), False, True
             if error is None:
                 if not as_json:  # vLLM answers its LoRA endpoints in plain text
-                    return resp.text
+                    return content.decode(errors="replace")
                 try:
-                    return resp.json()
+                    return json.loads(content)
                 except ValueError:
                     raise SamplerError(f"{self.base_url}{path}: answer is not JSON") from None
             if not retryable or attempt >= self.retries:

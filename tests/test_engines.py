@@ -197,3 +197,23 @@ def test_the_trainer_warns_once_when_engine_logprobs_disagree_on_fresh_data(capl
         for _ in range(3):
             trainer.Trainer._check_mismatch(fake, {"mismatch_kl": 0.5, "staleness_max": 0.0})
     assert caplog.text.count("disagree with the trainer's on fresh data: mismatch_kl 0.5 at step 3") == 1
+
+
+def test_an_engine_answer_over_the_size_limit_is_refused_not_read(tmp_path):
+    """A completions answer larger than producer.max_reply_bytes is refused as it streams in
+    (the row's request, charged to it), never held whole in memory."""
+    from streamer.errors import SamplerError
+
+    with FakeCompletionsServer(canned([4] * 2000 + [EOS])) as server:
+        sampler = RemoteSampler(
+            base_url=server.url,
+            model="m",
+            stop_ids=[EOS],
+            engine=engines.Vllm(),
+            retries=0,
+            max_reply_bytes=4096,
+        )
+        with pytest.raises(SamplerError, match="max_reply_bytes") as err:
+            sampler.sample([1, 2, 3], n=2, temperature=1.0, top_p=1.0, max_new_tokens=2001)
+        assert err.value.refused
+        sampler.close()
