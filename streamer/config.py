@@ -118,7 +118,9 @@ class ProducerSection(_Section):
     rollout: str = ""  # "module:function" async (row, ctx) -> episodes, or a rollout service's http(s) URL; "" = single-turn
     concurrency: PosInt = 1  # rollouts (rows) in flight at once, each with its own lease and admission slot
     rollout_timeout: NonNegFloat = 0.0  # cancel a rollout running longer (its row is handed back); 0 = never
-    max_reply_bytes: PosInt = 67_108_864  # (64 MiB) a rollout service's or engine's answer larger drops the rollout
+    max_reply_bytes: PosInt = (
+        67_108_864  # (64 MiB) a rollout service's or engine's answer larger drops the rollout
+    )
     max_row_attempts: NonNegInt = (
         3  # skip a row after this many failed rollouts (error, timeout, crash); 0 = never
     )
