@@ -55,6 +55,27 @@ def test_manifest_mode_refuses_a_wrong_sha_or_a_truncated_file_and_full_mode_a_f
         weights.resolve(_sync(uri, sha), tmp_path, verify="manifest")
 
 
+def test_a_version_written_on_this_machine_before_its_last_boot_is_hashed_in_full(tmp_path):
+    uri, sha = weights.write_version(demo.build_model(seed=1), tmp_path, 1)
+    path = weights.version_dir(tmp_path, 1)
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # the sizes survive, the bytes do not: what a lost page cache can leave
+    (path / "model.safetensors").write_bytes(bytes(data))
+    manifest = json.loads((path / weights.MANIFEST).read_text())
+    assert manifest["written_by"] == weights.this_boot()
+
+    def written_by(**by) -> None:
+        manifest["written_by"] = {**weights.this_boot(), **by}
+        (path / weights.MANIFEST).write_text(json.dumps(manifest))
+
+    written_by(boot_id="an-earlier-boot")
+    with pytest.raises(WeightsError, match="sha256 mismatch"):
+        weights.resolve(_sync(uri, sha), tmp_path, verify="manifest")
+    # another machine's boot says nothing about this one's page cache: the manifest stands
+    written_by(host="another-host", boot_id="its-boot")
+    assert weights.resolve(_sync(uri, sha), tmp_path, verify="manifest") == path
+
+
 def test_tensorfile_round_trips_dtypes_and_refuses_bad_headers(tmp_path):
     tensors = {
         "a": torch.randn(3, 5),
