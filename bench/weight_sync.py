@@ -239,7 +239,7 @@ class Clock:
     def __init__(self):
         self.seconds = {"snapshot": 0.0, "save": 0.0, "sha256": 0.0, "fsync": 0.0}
         self._wrap(weights, "save", "save")  # serialise + write, hashing as it writes
-        self._wrap(versions, "WeightsCopy", "snapshot")
+        self._wrap(versions, "snapshot", "snapshot")
         self._wrap(weights, "digest", "sha256")
         self._wrap(disk, "fsync", "fsync")  # a version no longer pays it: 0 unless that changes
 
