@@ -147,10 +147,8 @@ def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str
 
 def first_non_finite(state: dict) -> str | None:
     """The name of the first floating tensor of ``state`` that holds inf or NaN, or None."""
-    import torch
-
     for name, t in state.items():
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and t.numel() and not tensorfile.finite(t):
             return name
     return None
 

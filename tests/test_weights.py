@@ -98,3 +98,29 @@ def test_tensorfile_round_trips_dtypes_and_refuses_bad_headers(tmp_path):
     (tmp_path / "short.safetensors").write_bytes(struct.pack("<Q", 1 << 40))
     with pytest.raises(WeightsError, match="does not fit the file"):
         tensorfile.header(tmp_path / "short.safetensors")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_finite_finds_any_nan_or_inf_wherever_it_is(dtype):
+    for n in (1, 7, 1000, 65_537):
+        clean = torch.randn(n).to(dtype)
+        assert tensorfile.finite(clean)
+        for pos in {0, n // 3, n - 1}:
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                poisoned = clean.clone()
+                poisoned[pos] = bad
+                assert not tensorfile.finite(poisoned), (n, pos, bad)
+                assert not tensorfile.finite(poisoned.view(1, n).t()), (n, pos, bad)
+
+
+def test_a_file_with_a_nan_is_refused_before_any_parameter_changes(tmp_path):
+    src, dst = demo.build_model(seed=1), demo.build_model(seed=2)
+    state = weights._unaliased(src.state_dict(), weights.tied_keys(src))
+    name = "model.layers.1.mlp.up_proj.weight"
+    state[name] = state[name].clone()
+    state[name][3, 4] = float("nan")
+    tensorfile.write(tmp_path / "model.safetensors", state)
+    before = {k: t.clone() for k, t in dst.state_dict().items()}
+    with pytest.raises(WeightsError, match=f"{name}.*inf or NaN"):
+        tensorfile.load_into(dst.state_dict(), tmp_path / "model.safetensors")
+    assert all(torch.equal(t, before[k]) for k, t in dst.state_dict().items())
