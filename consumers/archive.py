@@ -27,20 +27,21 @@ what it reads (pending entries first) as skipped, counted.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from consumers import advantages as A
 from consumers.filters import GroupFilter, Verdict
 from schemas import TrajectoryGroup
 from streamer import lifecycle, models
 from streamer.bus import Consumer, Delivery
-from streamer.config import RunConfig
+from streamer.config import RunConfig, TrainerSection
 from streamer.connection import connect, retrying
 from streamer.keys import ARCHIVE_GROUP, Keys
 
@@ -54,13 +55,56 @@ def archive_dir(cfg: RunConfig) -> Path:
     return cfg.run_dir / "archive"
 
 
-def trained_advantages(group: TrajectoryGroup, verdict: Verdict, advantage: A.AdvantageFn) -> list:
+Advantage = Callable[[np.ndarray], np.ndarray]  # (G,) float64 rewards -> (G,) float32 advantages
+
+
+def advantage_of(cfg: TrainerSection) -> Advantage:
+    """``trainer.advantage`` as the trainer computes it (consumers/advantages.py), in numpy for
+    the built-ins, so the archiver imports no torch; a user's function takes tensors, so it
+    runs through torch (imported then)."""
+    name = cfg.advantage
+    if name == "grpo":
+        return functools.partial(grpo_advantages, std_normalize=cfg.std_normalize, std_floor=cfg.std_floor)
+    if name == "dr_grpo":
+        return _dr_grpo
+    if name == "rloo":
+        return _rloo
+    import torch
+
+    from consumers import advantages as A
+
+    fn = A.resolve(cfg)
+    return lambda r: A.compute(fn, torch.from_numpy(r)).numpy()
+
+
+def grpo_advantages(rewards: np.ndarray, *, std_normalize: bool, std_floor: float) -> np.ndarray:
+    """(G,) float32 group advantages as the trainer's GRPO z-score computes them
+    (:func:`consumers.loss.group_advantages`), in numpy."""
+    r = rewards.astype(np.float64)  # float32 sums of large rewards overflow to inf
+    centered = r - r.mean()
+    if std_normalize:
+        centered = centered / max(float(r.std()), std_floor)  # the population std
+    return centered.astype(np.float32)
+
+
+def _dr_grpo(rewards: np.ndarray) -> np.ndarray:
+    return (rewards - rewards.mean()).astype(np.float32)
+
+
+def _rloo(rewards: np.ndarray) -> np.ndarray:
+    g = len(rewards)
+    if g < 2:
+        return np.zeros(g, np.float32)  # no other sample to compare with
+    return ((rewards - rewards.mean()) * (g / (g - 1))).astype(np.float32)
+
+
+def trained_advantages(group: TrajectoryGroup, verdict: Verdict, advantage: Advantage) -> list:
     """Per sample of ``group``: the advantage the trainer trains it with (``advantage`` over the
     samples the filters kept), or None (dropped, or the group rejected)."""
     if not verdict.accepted:
         return [None] * len(group.samples)
     kept = verdict.group.samples
-    values = A.compute(advantage, torch.from_numpy(verdict.group.rewards())).tolist()  # as collate does
+    values = advantage(verdict.group.rewards().astype(np.float64)).tolist()  # as collate does
     out, j = [], 0
     for s in group.samples:  # the kept samples are a subsequence (a masked one is a copy, same tokens)
         if j < len(kept) and kept[j].tokens is s.tokens:
@@ -145,9 +189,9 @@ class Archiver:
         self.client = client or connect(
             cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name="streamer-archive"
         )
-        self.tokenizer = tokenizer or models.load_tokenizer(cfg.model)
+        self.tokenizer = tokenizer or models.load_decoder(cfg.model)  # no torch, no model class
         self.filter = GroupFilter.from_config(cfg.trainer)
-        self.advantage = A.resolve(cfg.trainer)
+        self.advantage = advantage_of(cfg.trainer)
         self.consumer = Consumer(
             self.client,
             self.keys,

@@ -33,9 +33,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from streamer import weights
+from streamer.disk import atomic_dir
 from streamer.errors import CheckpointError
 from streamer.position import DataPosition
-from streamer.weights import atomic_dir, sha256_file
+from streamer.weights import sha256_file
 
 log = logging.getLogger(__name__)
 

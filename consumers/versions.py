@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from schemas import WeightSync, encode
 from streamer import weights
 from streamer.bus import FIELD
@@ -27,7 +29,7 @@ from streamer.config import BusSection
 from streamer.connection import replicated, retrying
 from streamer.errors import StreamerError
 from streamer.keys import Keys
-from streamer.weights import WeightsCopy  # here too: bench/weight_sync.py times it as versions.WeightsCopy
+from streamer.weights import WeightsCopy
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,37 @@ return 1
 POLICY_KEEP = 1000  # WeightSync entries kept on the policy stream (at least keep_versions)
 
 
+def snapshot(model, spare: WeightsCopy | None = None) -> WeightsCopy:
+    """A CPU copy of ``model``'s weights, written into ``spare``'s tensors when they fit (a
+    snapshot the writer is done with): a fresh copy of a large model spends more time in page
+    faults on new memory than in copying (~0.2 s against ~0.06 s for 390 MB here)."""
+    if spare is not None and _refill(spare.state, model.state_dict()):
+        return WeightsCopy(model, state=spare.state)
+    return WeightsCopy(model)
+
+
+def _refill(target: dict, source: dict) -> bool:
+    """Copy ``source`` into ``target`` tensor by tensor; False (``target`` then unusable) unless
+    both have the same names, shapes and dtypes, tied alike."""
+    if target.keys() != source.keys():
+        return False
+    pairs: dict[int, int] = {}  # source storage -> target tensor: tied tensors are copied once
+    for name, t in source.items():
+        dst, key = target[name], t.data_ptr() if t.numel() else id(t)
+        if dst.shape != t.shape or dst.dtype != t.dtype or dst.device.type != "cpu":
+            return False
+        if key in pairs:
+            if pairs[key] != id(dst):
+                return False
+            continue
+        if id(dst) in pairs.values():  # tied in the spare, not in the model
+            return False
+        pairs[key] = id(dst)
+        with torch.no_grad():
+            dst.copy_(t.detach())
+    return True
+
+
 class VersionPublisher:
     def __init__(
         self,
@@ -71,6 +104,7 @@ class VersionPublisher:
         self.last_seconds = 0.0  # write + publish time of the newest published version
         self.give_up_after: float | None = None  # how long to wait out a server outage; None = forever
         self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._spare: WeightsCopy | None = None  # a published snapshot whose memory the next reuses
         self._error: BaseException | None = None
         self._announce = client.register_script(ANNOUNCE)
         self._thread = threading.Thread(target=self._run, name="trainer-versions", daemon=True)
@@ -85,8 +119,10 @@ class VersionPublisher:
         """Snapshot ``model`` now, publish it as ``version`` soon; returns seconds blocked."""
         self._raise_if_failed()
         start = time.monotonic()
-        snapshot = model if isinstance(model, weights.WeightsCopy) else WeightsCopy(model)
-        self._queue.put((snapshot, version, step))
+        own = not isinstance(model, weights.WeightsCopy)  # a caller's copy is the caller's
+        spare, self._spare = self._spare, None
+        copy = snapshot(model, spare) if own else model
+        self._queue.put((copy, version, step, own))
         return time.monotonic() - start
 
     def drain(self) -> None:
@@ -117,14 +153,17 @@ class VersionPublisher:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
+            copy, version, step, own = item
             try:
                 if self._error is None:
-                    self._write_and_announce(*item)
+                    self._write_and_announce(copy, version, step)
+                    if own:
+                        self._spare = copy  # written and announced: the next snapshot's memory
             except BaseException as e:  # surfaced by the next submit/drain
                 if isinstance(e, StreamerError):  # a clear reason (disk full ...): one line
-                    log.error("publishing version %d failed: %s", item[1], e)
+                    log.error("publishing version %d failed: %s", version, e)
                 else:
-                    log.exception("publishing version %d failed", item[1])
+                    log.exception("publishing version %d failed", version)
                 self._error = e
             finally:
                 self._queue.task_done()

@@ -80,19 +80,32 @@ def reward(row: dict, text: str, sample=None) -> float:
 reward.required_fields = ("answer",)  # every row is checked for it before work starts
 
 
-@functools.lru_cache(maxsize=1)
-def tokenizer():
-    """A character-level PreTrainedTokenizerFast with a chat template; ``<|end|>`` is EOS."""
+def _character_tokenizer():
+    """One token per character plus the specials, as a plain ``tokenizers.Tokenizer``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+@functools.lru_cache(maxsize=1)
+def decoder():
+    """The demo's tokenizer for token ids -> text only (``decode(ids, skip_special_tokens=)``,
+    as :func:`tokenizer` decodes), without importing transformers: what the archiver needs."""
+    return _character_tokenizer()
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer():
+    """A character-level PreTrainedTokenizerFast with a chat template; ``<|end|>`` is EOS."""
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=_character_tokenizer(),
         pad_token="<pad>",
         unk_token="<unk>",
         eos_token="<|end|>",

@@ -23,6 +23,14 @@ def load_tokenizer(cfg: ModelSection):
     return AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
 
 
+def load_decoder(cfg: ModelSection):
+    """A tokenizer for token ids -> text only (``decode(ids, skip_special_tokens=...)``): the
+    demo's without transformers (:func:`streamer.demo.decoder`), else :func:`load_tokenizer`'s."""
+    if (cfg.tokenizer or cfg.name_or_path) == demo.DEMO:
+        return demo.decoder()
+    return load_tokenizer(cfg)
+
+
 def load_model(cfg: ModelSection, *, seed: int = 0, dev: str | None = None):
     """The initial policy (eval mode, on ``dev`` or the configured device)."""
     import torch

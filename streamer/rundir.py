@@ -18,8 +18,8 @@ import os
 import shutil
 from pathlib import Path
 
+from streamer.disk import writing
 from streamer.errors import ConfigError, LockedError
-from streamer.weights import writing
 
 RUN_MARKER = ".streamer-run"  # {data_dir}/{run}/: created by streamer for this run
 SERVER_MARKER = ".streamer-server"  # {data_dir}/valkey/: the embedded server's data

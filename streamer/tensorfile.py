@@ -163,7 +163,15 @@ def _view(mm: mmap.mmap, dtype: torch.dtype, offset: int, nbytes: int) -> torch.
 
 
 def _finite(mm: mmap.mmap, dtype: torch.dtype, begin: int, end: int) -> bool:
-    return bool(torch.isfinite(_view(mm, dtype, begin, end - begin)).all())
+    return finite(_view(mm, dtype, begin, end - begin))
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether a non-empty floating tensor holds no inf or NaN: its min and max are finite
+    (both propagate NaN). One reduction, ~15x faster than ``isfinite(t).all()``, which
+    writes a bool per element (0.29 s against 0.02 s for 50M floats on one core here)."""
+    low, high = torch.aminmax(t)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def _copy(target: torch.Tensor, mm: mmap.mmap, dtype: torch.dtype, offset: int, nbytes: int) -> None:

@@ -2,7 +2,10 @@
 
 The trainer writes ``{root}/v{version:08d}/`` (model.safetensors + config.json and a
 manifest.json of per-file sha256 digests, hashed while writing) into a temporary directory
-and renames it into place, so a reader never sees half a version. Readers accept only
+and renames it into place, so a reader never sees half a version. A version is not fsynced
+(checkpoints are the durable state; after a crash the trainer publishes its checkpoint
+again under a new number), so a manifest written before this machine's last reboot is not
+trusted: that directory is hashed in full. Readers accept only
 ``file://`` URIs inside the configured root whose sha256 matches: by the manifest on the
 same filesystem (no re-read of the bytes), or by hashing every byte (``verify="full"``).
 No pickle: nothing here calls ``torch.load``.
@@ -10,19 +13,18 @@ No pickle: nothing here calls ``torch.load``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
-import os
 import shutil
-import tempfile
+import socket
 import urllib.parse
 from pathlib import Path
 
 from schemas import WeightSync
 from streamer import tensorfile
-from streamer.errors import DiskError, WeightsError
+from streamer.disk import atomic_dir, fsync, writing  # noqa: F401 (importable from here too)
+from streamer.errors import WeightsError
 
 _PREFIX = "v"
 WEIGHTS_FILE = "model.safetensors"
@@ -93,7 +95,7 @@ def write_version(model, root: Path, version: int, *, dtype=None, untie: bool = 
     """
     root = Path(root).resolve()
     final = version_dir(root, version)
-    with atomic_dir(root, final.name, what=f"policy version {version}") as tmp:
+    with atomic_dir(root, final.name, what=f"policy version {version}", durable=False) as tmp:
         files = save(model, tmp, dtype=dtype, untie=untie)
         (sha,) = [f["sha256"] for n, f in files.items() if n.endswith(".safetensors")]  # = digest()
         _write_manifest(tmp, version, sha, files)
@@ -145,10 +147,8 @@ def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str
 
 def first_non_finite(state: dict) -> str | None:
     """The name of the first floating tensor of ``state`` that holds inf or NaN, or None."""
-    import torch
-
     for name, t in state.items():
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and t.numel() and not tensorfile.finite(t):
             return name
     return None
 
@@ -167,7 +167,30 @@ def _unaliased(state: dict, tied: set[str]) -> dict:
 
 def _write_manifest(directory: Path, version: int, digest_: str, files: dict) -> None:
     doc = {"format": MANIFEST_FORMAT, "version": version, "sha256": digest_, "files": files}
+    doc["written_by"] = this_boot()
     (directory / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
+def this_boot() -> dict[str, str]:
+    """This machine and the boot it is in (``boot_id`` empty where the kernel has none).
+
+    A version is renamed into place without fsync: its bytes can be lost only by a machine
+    crash, and then the machine has rebooted since."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = ""
+    return {"host": socket.gethostname(), "boot_id": boot_id}
+
+
+def _written_before_a_reboot(doc: dict) -> bool:
+    """Whether the manifest was written on this machine before it last booted: the version's
+    bytes may have been lost with the page cache, and its sizes prove nothing."""
+    by = doc.get("written_by")
+    if not isinstance(by, dict):
+        return False  # written durably (fsynced), before manifests named their writer
+    here = this_boot()
+    return by.get("host") == here["host"] and by.get("boot_id") != here["boot_id"]
 
 
 def check_manifest(path: Path, sha256: str) -> bool:
@@ -175,8 +198,9 @@ def check_manifest(path: Path, sha256: str) -> bool:
 
     For a directory written by :func:`write_version` on this filesystem: it appears only
     complete (atomic rename), so the trainer's digests in the manifest stand for the bytes.
-    False when there is no manifest (then the caller hashes). Raises WeightsError on a
-    mismatch.
+    False when there is no manifest, or when this machine has rebooted since it was written
+    (the bytes, never fsynced, may be lost): then the caller hashes. Raises WeightsError on
+    a mismatch.
     """
     try:
         raw = (path / MANIFEST).read_bytes()
@@ -188,6 +212,8 @@ def check_manifest(path: Path, sha256: str) -> bool:
         named = str(doc["sha256"])
     except (ValueError, KeyError, TypeError, AttributeError):
         raise WeightsError(f"{path}: unreadable {MANIFEST}") from None
+    if _written_before_a_reboot(doc):
+        return False  # the caller hashes every byte
     if named != sha256:
         raise WeightsError(f"sha256 mismatch ({named[:12]}... in {MANIFEST} != {sha256[:12]}...)")
     on_disk = {f.name for f in path.glob("*.safetensors")}
@@ -202,42 +228,6 @@ def check_manifest(path: Path, sha256: str) -> bool:
         if actual != size:
             raise WeightsError(f"{path}/{name}: {actual} bytes, {MANIFEST} says {size}")
     return True
-
-
-@contextlib.contextmanager
-def writing(what: str, directory: Path):
-    """Turn a failed write (disk full, read-only, no permission) into one clear DiskError."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except (OSError, SafetensorError) as e:
-        reason = getattr(e, "strerror", None) or str(e)
-        raise DiskError(f"cannot write {what} in {directory}: {reason}") from e
-
-
-@contextlib.contextmanager
-def atomic_dir(root: Path, name: str, *, what: str):
-    """A temporary directory under ``root`` that becomes ``root/name`` once the block ends:
-    every file in it fsynced, a leftover of that name replaced (names are never reused, so
-    one can only be a crash's), the rename fsynced. On an error nothing appears under
-    ``name`` and the temporary directory is removed; a failed write is a DiskError."""
-    root = Path(root)
-    with writing(what, root):
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
-        try:
-            yield tmp
-            for f in tmp.rglob("*"):
-                fsync(f)
-            fsync(tmp)
-            if (root / name).exists():
-                shutil.rmtree(root / name)
-            os.rename(tmp, root / name)
-            fsync(root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
 
 
 def versions(root: Path) -> list[int]:
@@ -349,17 +339,3 @@ def tied_keys(model) -> set[str]:
     if isinstance(keys, dict):  # transformers 5: {target: source}
         keys = keys.keys()
     return set(keys) if getattr(model.config, "tie_word_embeddings", False) else set()
-
-
-def fsync(path: Path) -> None:
-    """fsync a file or directory, best effort (some filesystems refuse directories)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

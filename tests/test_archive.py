@@ -10,10 +10,12 @@ import logging
 import random
 import subprocess
 
+import numpy as np
 import pytest
 from trainer_data import make_group, publish
 
-from consumers.archive import Archiver, RotatingWriter, archive_dir
+from consumers import advantages
+from consumers.archive import Archiver, RotatingWriter, advantage_of, archive_dir
 from schemas import DeadLetter, encode
 from streamer import cli, demo
 from streamer.bus import FIELD, entry, trim_acked
@@ -172,3 +174,37 @@ def test_a_broken_archive_disk_stops_archiving_and_skips_without_holding_entries
     finally:
         if broken == "full":
             subprocess.run(["umount", "-l", str(data)], check=False)
+
+
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        {"advantage": "grpo"},
+        {"advantage": "grpo", "std_normalize": False},
+        {"advantage": "dr_grpo"},
+        {"advantage": "rloo"},
+        {"advantage": "consumers.advantages:rloo"},  # a user's function: through torch
+    ],
+)
+def test_the_archived_advantages_are_the_trainers_without_torch(trainer):
+    import torch
+
+    cfg = replace(RunConfig(), trainer=trainer).trainer
+    archived, trained = advantage_of(cfg), advantages.resolve(cfg)
+    for rewards in [(1.0, 0.0, 0.0, 1.0), (0.5,), (2.0, 2.0, 2.0), (1e30, -1e30, 3.0), (0.1, 0.2, 0.25, 0.9)]:
+        r = np.array(rewards, np.float32)
+        ours = archived(r.astype(np.float64))
+        theirs = advantages.compute(trained, torch.from_numpy(r)).numpy()
+        assert ours.dtype == np.float32
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7, err_msg=str(rewards))
+
+
+def test_the_demo_decoder_decodes_as_the_demo_tokenizer():
+    rng = random.Random(4)
+    fast, plain = demo.tokenizer(), demo.decoder()
+    for _ in range(200):
+        ids = [rng.randrange(len(fast)) for _ in range(rng.randint(0, 12))]
+        for skip in (False, True):
+            assert plain.decode(ids, skip_special_tokens=skip) == fast.decode(
+                ids, skip_special_tokens=skip
+            ), ids

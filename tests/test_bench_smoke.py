@@ -26,7 +26,8 @@ RATIO = re.compile(r"^ratios: (\S+=\d+\.\d\dx.*)$")
         ("codec.py", ["msgspec_vs_json_512", "msgspec_vs_pickle_lists_4096"]),
         ("memory.py", ["used_memory_per_payload_512", "max_xlen_vs_limit"]),
         ("metrics_memory.py", ["used_memory_1000_vs_200_steps"]),
-        ("weight_sync.py", ["demo_1p", "demo_1p_path"]),
+        ("weight_sync.py", ["demo_1p", "demo_1p_path", "demo_1p_end"]),
+        ("startup.py", ["archive_vs_torch_import", "up_vs_torch_import"]),
         ("producer_overhead.py", ["producer_vs_bare_per_group", "canned_producer_vs_bare_per_group"]),
         ("gpu_check.py", ["bf16_over_fp32_tokens_per_s"]),  # on CPU here: the checks' code runs
         ("packing.py", ["packed_vs_padded", "bucketed_vs_padded"]),

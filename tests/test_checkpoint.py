@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import random
 import signal
 import time
@@ -18,7 +19,7 @@ from waits import wait_until
 from consumers import checkpoint
 from consumers.batch import collate
 from consumers.learner import Learner
-from streamer import demo
+from streamer import demo, weights
 from streamer.config import TrainerSection
 from streamer.connection import connect
 from streamer.keys import TRAINER_GROUP, Keys
@@ -87,6 +88,19 @@ def test_resumed_training_matches_uninterrupted(tmp_path):
     resumed.train_step(_batch(1))
     for (name, pa), pb in zip(straight.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=1e-7, msg=name)
+
+
+def test_a_version_is_renamed_into_place_without_fsync_and_a_checkpoint_is_fsynced(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    learner = _learner()
+    weights.write_version(learner.model, tmp_path / "weights", 1)
+    assert synced == [] and weights.versions(tmp_path / "weights") == [1]
+    meta = _save(tmp_path / "ckpt", learner, step=1, version=1)
+    for rel in meta.files:  # every file, under its temporary name, before the rename
+        assert any(s.endswith(rel) and "/.tmp-" in s for s in synced), (rel, synced)
+    assert str(tmp_path / "ckpt") in synced  # and the rename
 
 
 def test_damaged_and_partial_checkpoints_are_skipped(tmp_path, caplog):
