@@ -160,11 +160,17 @@ def pack(mb: Batch) -> Packed:
 def advantages_of(
     group: TrajectoryGroup, *, std_normalize: bool, std_floor: float, advantage: AdvantageFn | None = None
 ) -> np.ndarray:
-    """(G,) float32 advantages of one group's samples (``advantage`` None: the GRPO z-score)."""
-    rewards = torch.from_numpy(group.rewards())
+    """(S,) float32 advantages of one group's samples (``advantage`` None: the GRPO z-score).
+
+    Computed over the group's episodes, then given to each of an episode's samples: the
+    forks of one episode count once in the baseline and share its advantage."""
+    index = group.episode_index()
+    rewards = torch.from_numpy(group.episode_rewards())
     if advantage is not None:
-        return advantages.compute(advantage, rewards).numpy()
-    return group_advantages(rewards, std_normalize=std_normalize, std_floor=std_floor).numpy()
+        adv = advantages.compute(advantage, rewards).numpy()
+    else:
+        adv = group_advantages(rewards, std_normalize=std_normalize, std_floor=std_floor).numpy()
+    return adv if len(adv) == len(index) else adv[index]
 
 
 def collator(cfg: TrainerSection) -> Callable[[Sequence[TrajectoryGroup]], Batch]:

@@ -7,7 +7,8 @@ or a reason from ``schemas.metric_names.REJECT_REASONS``. The checks, in order:
    ``too_long``: a sample (prompt + completion) longer than ``trainer.max_seq_len`` tokens
    (it would not fit the model's context or the step's memory budget; 0 = no limit);
 2. ``too_few_samples``: fewer than ``min_group_size`` complete samples (aborted samples,
-   ``finish_reason == "abort"``, are incomplete and always dropped);
+   ``finish_reason == "abort"``, are incomplete and always dropped); the forks of one
+   episode (``Sample.episode``) count as one sample here and below;
 3. ``overlong``: samples truncated without EOS (``finish_reason == "length"``) are dropped
    (``drop``), kept with zero loss weight (``mask``) or kept as they are (``keep``); the
    group is rejected when that leaves fewer than ``min_group_size`` trainable samples;
@@ -118,12 +119,12 @@ class GroupFilter:
         if self.max_seq_len and any(s.num_tokens > self.max_seq_len for s in group.samples):
             return Verdict(None, "too_long")
         complete = [s for s in group.samples if s.finish_reason != "abort"]
-        if len(complete) < self.min_group_size:
+        if _num_episodes(complete) < self.min_group_size:
             return Verdict(None, "too_few_samples")
         group = self._handle_overlong(group, complete)
         if group is None:
             return Verdict(None, "overlong")
-        rewards = group.rewards()
+        rewards = group.episode_rewards()
         if len(rewards) > 1 and bool((rewards == rewards[0]).all()):
             return Verdict(None, "zero_variance")
         if self.user_filter is not None and not self._user_accepts(group):
@@ -136,7 +137,7 @@ class GroupFilter:
         elif self.overlong == "mask":
             samples = [_zero_weight(s) if s.finish_reason == "length" else s for s in samples]
         trainable = [s for s in samples if s.loss_mask().any()]
-        if len(trainable) < max(self.min_group_size, 1):
+        if _num_episodes(trainable) < max(self.min_group_size, 1):
             return None
         if len(samples) == len(group.samples) and all(a is b for a, b in zip(samples, group.samples)):
             return group
@@ -149,6 +150,13 @@ class GroupFilter:
         except Exception:  # a user's bug rejects the group, loudly, instead of killing training
             log.exception("user filter raised on group %s; rejecting it", group.group_id)
             return False
+
+
+def _num_episodes(samples: list[Sample]) -> int:
+    """Episodes among ``samples``: the forks of one count once."""
+    if all(s.episode is None for s in samples):
+        return len(samples)
+    return len({-1 - i if s.episode is None else s.episode for i, s in enumerate(samples)})
 
 
 def _zero_weight(sample: Sample) -> Sample:

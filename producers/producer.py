@@ -294,8 +294,8 @@ class Producer:
             row=pos.row,
             epoch=pos.epoch,
             producer_id=self.id,
-            samples=[s for s, _ in samples],
-            policy_version=min(s.version for s, _ in samples),  # the oldest turn of any sample
+            samples=[s for pieces, _ in samples for s in pieces],  # an episode's forks: several
+            policy_version=min(s.version for pieces, _ in samples for s in pieces),  # the oldest turn
             created_at=created,
         )
         timings = Timings(sample_seconds, admission_wait, 0.0)
@@ -375,17 +375,18 @@ class Producer:
         return max(self._newest, self.follower.version)
 
     def _check(self, episodes: list, pos, newest: int) -> list[tuple]:
-        """(Sample, Episode) of every episode that passes :func:`producers.rollout.to_sample`."""
+        """(samples, Episode) of every episode that passes :func:`producers.rollout.to_samples`."""
         out = []
-        for e in episodes[: self.producer_cfg.group_size]:
+        for i, e in enumerate(episodes[: self.producer_cfg.group_size]):
             try:
-                sample = rollouts.to_sample(
+                samples = rollouts.to_samples(
                     e,
                     vocab_size=self.vocab_size,
                     max_seq_len=self.cfg.trainer.max_seq_len,
                     max_version=newest,
+                    index=i,
                 )
-                out.append((sample, e))
+                out.append((samples, e))
             except rollouts.EpisodeRejected as err:
                 self.pending.add(f"episodes_dropped_{err.reason}")
                 log.warning("row %d (epoch %d): episode dropped: %s", pos.row, pos.epoch, err)

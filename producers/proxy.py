@@ -21,8 +21,12 @@ text. A call whose prompt starts with every token of an earlier call's chain (pr
 completion) *extends* that chain, and what it adds is context with weight 0. Otherwise
 it starts a new chain: a *divergence* (counted, ``proxy_divergences``) when it shares the
 chain's first prompt but breaks a later token (the agent re-sent the history in a form
-that re-tokenizes differently: edited, summarised, or stripped), else a new conversation.
-The episode is the chain the agent's last call extended; earlier chains are not trained.
+that re-tokenizes differently: edited, summarised, or stripped, as thinking models' chat
+templates strip earlier ``<think>`` blocks), else a new conversation. Every chain is
+trained: the one the agent's last call extended is the episode's last piece, the others are
+its forks (:attr:`Episode.forks`, counted as ``episode_forks``), each a sample of its own
+with the episode's reward and advantage. A sampled token carries weight only in the chain
+that sampled it; where a later chain's prompt repeats it, it is context.
 
 With ``tools`` in a request, a completion's Hermes-style calls
 (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format of Qwen and many
@@ -248,12 +252,20 @@ class Session:
             return "new"
 
     def episode(self, reward: float) -> Episode:
-        """The trained episode: the chain of the last call (none: a malformed, empty one)."""
+        """The trained episode: the chain of the last call, the other chains as its forks
+        (no call: a malformed, empty episode)."""
         with self.lock:
             extra = {"proxy_calls": float(self.calls), "proxy_divergences": float(self.divergences)}
             if self.last is None:
                 return Episode([], reward, metrics=extra)
-            return self.last.episode(reward, **extra)
+            extra["turns"] = float(sum(c.calls for c in self.chains))
+            episode = self.last.episode(reward, **extra)
+            episode.forks = [
+                list(c.segments)
+                for c in self.chains
+                if c is not self.last and any(x.sampled for x in c.segments)
+            ]
+            return episode
 
     async def sample(self, prompt: list[int], max_new_tokens: int) -> Completion:
         (c,) = await self.ctx.sample(prompt, n=1, max_new_tokens=max_new_tokens)

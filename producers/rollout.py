@@ -185,10 +185,37 @@ def _episode(e: _WireEpisode) -> Episode:  # JSON numbers are finite: msgspec re
     return Episode(segments, e.reward, e.finish_reason, dict(e.metrics))
 
 
+def to_samples(
+    episode: Episode, *, vocab_size: int, max_seq_len: int = 0, max_version: int = MAX_VERSION, index: int = 0
+) -> list[Sample]:
+    """The wire form of a checked episode: one sample per piece (its forks, then the last),
+    numbered ``index`` when there are several; :class:`EpisodeRejected` says what is wrong,
+    and in which piece. One bad piece rejects the whole episode."""
+    if not isinstance(episode, Episode):
+        raise EpisodeRejected("malformed", f"rollout returned {type(episode).__name__}, not an Episode")
+    check = dict(vocab_size=vocab_size, max_seq_len=max_seq_len, max_version=max_version)
+    if not isinstance(episode.forks, (list, tuple)):
+        raise EpisodeRejected("malformed", f"forks is {type(episode.forks).__name__}, not a list of pieces")
+    if not episode.forks:
+        return [to_sample(episode, **check)]
+    pieces = [*episode.forks, episode.segments]
+    out = []
+    for k, segments in enumerate(pieces):
+        finish = episode.finish_reason if k == len(pieces) - 1 else "stop"  # the episode went on
+        try:
+            sample = to_sample(Episode(segments, episode.reward, finish), **check)
+        except EpisodeRejected as e:
+            why = str(e).removeprefix(f"{e.reason}: ")
+            raise EpisodeRejected(e.reason, f"fork {k + 1} of {len(pieces)}: {why}") from None
+        out.append(msgspec.structs.replace(sample, episode=index))
+    return out
+
+
 def to_sample(
     episode: Episode, *, vocab_size: int, max_seq_len: int = 0, max_version: int = MAX_VERSION
 ) -> Sample:
-    """The wire form of a checked episode; :class:`EpisodeRejected` says what is wrong.
+    """The wire form of a checked single-piece episode (its forks ignored: see
+    :func:`to_samples`); :class:`EpisodeRejected` says what is wrong.
 
     ``max_version``: the newest policy version published, which no sampled segment may exceed.
     """
@@ -272,8 +299,10 @@ def claimed_version(episodes: list) -> int:
         (
             s.version
             for e in episodes
-            if isinstance(e, Episode) and isinstance(e.segments, (list, tuple))
-            for s in e.segments
+            if isinstance(e, Episode) and isinstance(e.forks, (list, tuple))
+            for piece in [*e.forks, e.segments]
+            if isinstance(piece, (list, tuple))
+            for s in piece
             if isinstance(s, Segment) and _integer(s.version)
         ),
         default=0,

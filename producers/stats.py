@@ -85,6 +85,7 @@ def episode_values(episodes, *, seconds: float, in_flight: int) -> dict[str, flo
         "turns_mean": sum(turns) / n,
         "tool_calls": float(sum(e.metrics.get("tool_calls", 0.0) for e in episodes)),
         "proxy_divergences": float(sum(e.metrics.get("proxy_divergences", 0.0) for e in episodes)),
+        "episode_forks": float(sum(len(e.forks) for e in episodes)),
         "episode_seconds": seconds,
         "in_flight_episodes": float(in_flight),
     }

@@ -17,8 +17,11 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)  # 2 added Sample.spans (per-turn versions); a v1 event is a v2 without them
+SCHEMA_VERSION = 3
+# 2 added Sample.spans (per-turn versions), 3 Sample.episode (forks); an older event is a newer one
+# without them. A build that reads only 1-2 would train the forks of one episode as separate
+# episodes (wrong advantages), so it refuses schema 3 instead.
+READABLE_SCHEMAS = (1, 2, 3)
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -67,6 +70,10 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
     # environment messages) were not sampled and must have mask 0. None = one turn: the whole
     # completion, sampled by `version`. (schema 2; a schema-1 event has none)
     spans: list[Span] | None = None
+    # samples of one group with the same number are the forks of one episode (a conversation
+    # whose re-rendered history broke the token prefix): one reward, one advantage. None = an
+    # episode of its own. (schema 3)
+    episode: int | None = None
 
     def __post_init__(self) -> None:
         n_tok, rem = divmod(len(self.tokens), 4)
@@ -82,6 +89,8 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
         if not math.isfinite(self.reward):
             raise ValueError(f"reward is not finite: {self.reward}")
         _check_version("version", self.version)
+        if self.episode is not None:
+            _check_version("episode", self.episode)
         if self.spans is not None:
             self._check_spans(n_lp)
 
@@ -116,6 +125,7 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
         version: int,
         mask=None,
         spans: list[Span] | None = None,
+        episode: int | None = None,
     ) -> Sample:
         """Pack python/numpy sequences into the wire form."""
         tokens = np.concatenate(
@@ -130,6 +140,7 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
             version=version,
             mask=None if mask is None else memoryview(np.asarray(mask, np.uint8).tobytes()),
             spans=spans,
+            episode=episode,
         )
 
     def token_ids(self) -> np.ndarray:
@@ -194,9 +205,39 @@ class TrajectoryGroup(msgspec.Struct, frozen=True, tag="group", kw_only=True, gc
         oldest = min(s.version for s in self.samples)
         if self.policy_version != oldest:
             raise ValueError(f"policy_version {self.policy_version} != oldest sample version {oldest}")
+        if any(s.episode is not None for s in self.samples):
+            self._check_forks()
+
+    def _check_forks(self) -> None:
+        reward: dict[int, float] = {}
+        for s in self.samples:
+            if s.episode is not None and reward.setdefault(s.episode, s.reward) != s.reward:
+                raise ValueError(
+                    f"forks of episode {s.episode} have different rewards ({reward[s.episode]}, {s.reward})"
+                )
 
     def rewards(self) -> np.ndarray:
+        """(S,) float32 reward of each sample."""
         return np.array([s.reward for s in self.samples], np.float32)
+
+    def episode_index(self) -> np.ndarray:
+        """(S,) int64: each sample's episode, numbered 0..E-1 in order of first appearance.
+        Forks of one episode share a number; a sample with ``episode`` None has its own."""
+        if all(s.episode is None for s in self.samples):
+            return np.arange(len(self.samples), dtype=np.int64)
+        seen: dict[int, int] = {}
+        out = np.empty(len(self.samples), np.int64)
+        for i, s in enumerate(self.samples):
+            key = -1 - i if s.episode is None else s.episode
+            out[i] = seen.setdefault(key, len(seen))
+        return out
+
+    def episode_rewards(self) -> np.ndarray:
+        """(E,) float32 reward of each episode (in :meth:`episode_index` order)."""
+        if all(s.episode is None for s in self.samples):
+            return self.rewards()
+        first = np.unique(self.episode_index(), return_index=True)[1]
+        return self.rewards()[first]
 
 
 class WeightSync(msgspec.Struct, frozen=True, tag="weights", kw_only=True):

@@ -80,6 +80,10 @@ ROLLOUT: dict[str, tuple[Kind, str]] = {
     "tool_calls": ("counter", "tool calls made by published episodes"),
     "prefix_mismatches": ("counter", "rollouts dropped: an engine call broke the token prefix"),
     "proxy_divergences": ("counter", "agent calls through the proxy that re-tokenized an earlier turn"),
+    "episode_forks": (
+        "counter",
+        "extra samples of episodes whose history stopped extending their tokens (each piece trained once)",
+    ),
     "episode_seconds": ("gauge", "wall time of the group's rollout"),
     "in_flight_episodes": ("gauge", "rows in flight in the producer when the group was published"),
     **{

@@ -116,12 +116,20 @@ class Segment:
 
 @dataclass(slots=True)
 class Episode:
-    """One trajectory: segments (the first is the prompt), the reward, metrics."""
+    """One trajectory: segments (the first is the prompt), the reward, metrics.
+
+    An episode whose later prompts stopped extending its tokens (a chat template that drops
+    earlier ``<think>`` blocks when the history is rendered again) is several prefix-consistent
+    pieces: ``forks`` holds the earlier ones in order, each a prompt segment and what followed
+    it; ``segments`` is the last. Each piece is trained as a sample of its own, with its own
+    prompt and per-turn versions, and all share the episode's reward and advantage.
+    """
 
     segments: list[Segment]
     reward: float
     finish_reason: FinishReason = "stop"
     metrics: dict[str, float] = field(default_factory=dict)  # e.g. turns, tool_calls
+    forks: list[list[Segment]] = field(default_factory=list)  # earlier pieces (see above)
 
     @property
     def tokens(self) -> list[int]:

@@ -11,6 +11,12 @@ may tokenize an earlier turn differently (a different merge, a stripped thinking
 a missing newline). A prompt that breaks the prefix raises :class:`PrefixMismatch` with
 the first divergent index; the producer counts it and never trains the episode.
 
+``fork=True`` accepts such a prompt instead: the tokens so far become a finished piece of
+the episode (:attr:`Episode.forks`) and the prompt starts the next piece. That is what a
+chat template that drops earlier ``<think>`` blocks needs, when the history can only be
+re-rendered whole: every piece is still token-exact and each sampled token is trained once,
+in the piece that sampled it (a later piece's prompt holds it as context, weight 0).
+
 ``max_trim_tokens`` (the seed cookbook's): a prompt may drop up to that many trailing
 tokens of the last sampled turn (a template that strips a trailing newline or a stop
 token); those tokens are cut from the trajectory too, so it still holds only what the
@@ -26,12 +32,14 @@ from streamer.rollout_types import Completion, Episode, Segment
 class Trajectory:
     """One episode under construction: a prompt, then engine calls and context tokens."""
 
-    def __init__(self, prompt_ids: list[int], *, max_trim_tokens: int = 0):
+    def __init__(self, prompt_ids: list[int], *, max_trim_tokens: int = 0, fork: bool = False):
         if not prompt_ids:
             raise ValueError("a trajectory starts with a non-empty prompt")
         self.segments: list[Segment] = [Segment([int(t) for t in prompt_ids])]
         self.tokens: list[int] = list(self.segments[0].tokens)
         self.max_trim_tokens = max_trim_tokens
+        self.fork = fork  # a prompt that breaks the prefix starts a new piece instead of raising
+        self.forks: list[list[Segment]] = []  # finished pieces, in order
         self.calls = 0  # engine calls folded in (= sampled turns)
         self.trimmed = 0  # tokens cut by max_trim_tokens
         self.finish_reason = "stop"
@@ -42,9 +50,15 @@ class Trajectory:
 
     def extend(self, prompt_ids: list[int], completion: Completion) -> None:
         """Fold in one engine call: its prompt (checked against the prefix) and its sample."""
-        self._align([int(t) for t in prompt_ids])
         if completion.version is None:
             raise ValueError("the completion carries no policy version (sample through ctx.sample)")
+        prompt = [int(t) for t in prompt_ids]
+        try:
+            self._align(prompt)
+        except PrefixMismatch:
+            if not self.fork or not prompt:
+                raise
+            self._start_piece(prompt)
         self.calls += 1
         if completion.token_ids:
             seg = Segment(list(completion.token_ids), list(completion.logprobs), completion.version)
@@ -67,8 +81,19 @@ class Trajectory:
         """The finished episode (``turns`` = engine calls unless given)."""
         metrics.setdefault("turns", float(self.calls))
         return Episode(
-            list(self.segments), reward, self.finish_reason, {k: float(v) for k, v in metrics.items()}
+            list(self.segments),
+            reward,
+            self.finish_reason,
+            {k: float(v) for k, v in metrics.items()},
+            forks=[list(p) for p in self.forks],
         )
+
+    def _start_piece(self, prompt: list[int]) -> None:
+        """Close the tokens so far as a piece (if anything in it was sampled); ``prompt`` opens the next."""
+        if any(s.sampled for s in self.segments):
+            self.forks.append(self.segments)
+        self.segments = [Segment(prompt)]
+        self.tokens = list(prompt)
 
     def _align(self, prompt: list[int]) -> None:
         n = len(self.tokens)

@@ -108,7 +108,8 @@ def test_an_edited_history_is_a_counted_divergence_and_a_new_conversation_is_not
 
     (ep,) = anyio.run(edits, ROW, _ctx(task, sampler))
     assert ep.metrics["proxy_divergences"] == 1 and ep.metrics["proxy_calls"] == 2
-    assert ep.metrics["turns"] == 1 and ep.tokens == sampler.prompts[1] + sampler.ids, "the last chain"
+    assert ep.metrics["turns"] == 2 and ep.tokens == sampler.prompts[1] + sampler.ids, "the last chain"
+    assert [[s.tokens for s in f] for f in ep.forks] == [[sampler.prompts[0], sampler.ids]], "and the first"
 
     @proxied
     async def restarts(row, endpoint):
@@ -117,7 +118,7 @@ def test_an_edited_history_is_a_counted_divergence_and_a_new_conversation_is_not
         return 1.0
 
     (ep,) = anyio.run(restarts, ROW, _ctx(task, sampler))
-    assert ep.metrics["proxy_divergences"] == 0 and ep.metrics["turns"] == 1
+    assert ep.metrics["proxy_divergences"] == 0 and ep.metrics["turns"] == 2 and len(ep.forks) == 1
 
 
 def _groups(client, keys) -> list[TrajectoryGroup]:

@@ -173,14 +173,16 @@ def test_a_schema_1_event_still_decodes_and_an_unknown_version_is_named():
         prompt_ids=[1], completion_ids=[3, 4], logprobs=[-1, -1], reward=1.0, finish_reason="stop", version=2
     )
     as_dict = msgspec.msgpack.decode(encode(_group([s])))  # what a schema-1 producer wrote:
-    as_dict["schema"] = 1  # the same fields, no spans
+    as_dict["schema"] = 1  # the same fields, no spans (nor episode)
     for sample in as_dict["samples"]:
         sample.pop("spans", None)
+        sample.pop("episode", None)
     raw = msgspec.msgpack.encode(as_dict)
     g = decode(raw, TrajectoryGroup)
     assert g.schema == 1 and g.samples[0].spans is None and g.samples[0].token_versions().tolist() == [2, 2]
+    assert g.samples[0].episode is None and g.episode_index().tolist() == [0]
     future = msgspec.msgpack.decode(raw)
-    future["schema"] = 3
-    with pytest.raises(DecodeError, match=r"unknown schema version 3 \(this build reads 1, 2\)"):
+    future["schema"] = 4
+    with pytest.raises(DecodeError, match=r"unknown schema version 4 \(this build reads 1, 2, 3\)"):
         decode(msgspec.msgpack.encode(future), TrajectoryGroup)
     assert np.array_equal(g.samples[0].loss_mask(), [1, 1])
