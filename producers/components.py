@@ -11,13 +11,22 @@ import logging
 
 from producers import rewards
 from producers.dataset import check_required, load_rows
+from producers.judge import Judge
 from producers.render import Renderer, stop_ids
 from producers.samplers import LocalSampler
 from streamer import models
 from streamer.config import RunConfig
 from streamer.rollout_types import DEFAULT_ROLLOUT, Task
 
-__all__ = ["Task", "build", "eval_sampler", "load_task", "local_sampler", "remote_sampler"]
+__all__ = [
+    "Task",
+    "build",
+    "eval_sampler",
+    "load_reward",
+    "load_task",
+    "local_sampler",
+    "remote_sampler",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +45,17 @@ def load_task(
     given are not loaded again)."""
     rows = rows if rows is not None else load_rows(dataset, split=split)
     path = rewards.default_path(cfg.producer.reward, dataset)
-    reward_fn = reward_fn or rewards.load(path)
+    reward_fn = reward_fn or load_reward(cfg, path)
     tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
     renderer = Renderer(tokenizer, chat_template=cfg.model.chat_template, extra_stop_ids=extra_stop_ids)
     return Task(rows=rows, renderer=renderer, reward_fn=reward_fn, reward_path=path)
+
+
+def load_reward(cfg: RunConfig, path: str):
+    """The reward function ``path`` names; "judge" is the built-in judge of ``[reward.judge]``."""
+    if path == "judge":
+        return Judge(cfg.reward.judge)
+    return rewards.load(path)
 
 
 def local_sampler(cfg: RunConfig, tokenizer) -> tuple[LocalSampler, list[int]]:
@@ -55,7 +71,7 @@ def build(cfg: RunConfig):
     p = cfg.producer
     rows = load_rows(p.dataset)  # first: a bad dataset or reward fails before any model loads
     reward_path = rewards.default_path(p.reward, p.dataset)
-    reward_fn = rewards.load(reward_path)
+    reward_fn = load_reward(cfg, reward_path)
     if p.rollout in ("", DEFAULT_ROLLOUT):  # a rollout of the user's may score rows its own way
         required = getattr(reward_fn, "required_fields", ())
         check_required(rows, required, source=p.dataset, reward=reward_path)

@@ -192,6 +192,7 @@ class Producer:
         self._gate = WeightGate(exclusive=getattr(self.sampler, "max_parallel", 1) == 1)
         self._redis_limiter = anyio.CapacityLimiter(self.producer_cfg.concurrency + 2)
         self._sample_limiter = anyio.CapacityLimiter(getattr(self.sampler, "max_parallel", 1))
+        self._reward_limiter = anyio.CapacityLimiter(self.cfg.reward.concurrency)
         local = getattr(self.sampler, "max_parallel", 1) == 1 and hasattr(self.sampler, "sample_many")
         self._batcher = MicroBatcher(self._sample_batch) if local else None
         # one row at a time on an in-process model: while a Redis call runs, the loop has
@@ -313,6 +314,8 @@ class Producer:
             seed=_seed(self.cfg.run.seed, ticket),
             sample_fn=self._sample,
             max_seq_len=self.cfg.trainer.max_seq_len,
+            reward_limiter=self._reward_limiter,
+            reward_timeout=self.cfg.reward.timeout,
         )
         where = f"row {pos.row} (epoch {pos.epoch})"
         try:

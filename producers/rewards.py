@@ -5,6 +5,15 @@ special tokens dropped, ``sample`` the :class:`producers.samplers.Completion` (t
 log-probs, finish reason). A reward that raises, or returns something that is not a
 finite number, marks that sample failed; the producer drops it from the group.
 
+A reward may be ``async def`` (a reward model or an LLM judge behind HTTP, such as the
+built-in :mod:`producers.judge`): the default rollout then awaits a group's rewards
+concurrently, at most ``reward.concurrency`` calls at once per producer, each within
+``reward.timeout`` seconds. Two errors are not the sample's failure: a
+:class:`~streamer.errors.SamplerError` (such as :class:`RewardUnavailable`, which a call
+past its timeout raises) is an outage, and the row is handed back without counting an
+attempt; an :class:`~streamer.errors.EpisodeRejected` drops the whole rollout with its
+reason and counts one.
+
 Shipped: :func:`exact_match`, :func:`math_answer` (GSM8K-style final-number grading) and
 the demo task's ``streamer.demo:reward``. An empty ``producer.reward`` picks the
 dataset's default (:func:`default_path`).
@@ -12,12 +21,20 @@ dataset's default (:func:`default_path`).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 import math
 import re
 from collections.abc import Callable
 
+import anyio
+
 from streamer import demo
+from streamer.errors import EpisodeRejected, RewardUnavailable, SamplerError
 from streamer.imports import load_function
+
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[..., float]
 
@@ -39,10 +56,66 @@ def load(path: str) -> RewardFn:
 
 def score(fn: RewardFn, row: dict, text: str, sample) -> float:
     """``fn``'s reward as a finite float; raises (ValueError, TypeError, ...) otherwise."""
-    value = float(fn(row, text, sample))
+    value = fn(row, text, sample)
+    if inspect.isawaitable(value):
+        value.close()
+        raise TypeError(f"reward {_name(fn)} is async: await it with score_async")
+    return _finite(value)
+
+
+def is_async(fn) -> bool:
+    """Whether ``fn`` (a function or a callable object) is ``async def``."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+async def score_async(
+    fn: RewardFn, row: dict, text: str, sample, *, limiter=None, timeout: float = 0.0
+) -> float:
+    """``fn``'s reward as a finite float, awaited if ``fn`` is async: holding one of
+    ``limiter``'s tokens (None: no bound), within ``timeout`` seconds (0: none; past it,
+    :class:`RewardUnavailable`)."""
+    if not is_async(fn):
+        return score(fn, row, text, sample)
+    async with limiter if limiter is not None else contextlib.nullcontext():
+        with anyio.move_on_after(timeout or None) as scope:
+            value = await fn(row, text, sample)
+    if scope.cancelled_caught:
+        raise RewardUnavailable(f"reward {_name(fn)} gave no answer within {timeout:g}s")
+    return _finite(value)
+
+
+async def score_all(fn: RewardFn, row: dict, texts: list[str], samples, **bounds) -> list[float | None]:
+    """The reward of each (text, sample); None where the reward failed (logged). An async
+    ``fn`` is awaited for all of them at once (``bounds``: :func:`score_async`'s)."""
+    out: list[float | None] = [None] * len(texts)
+
+    async def one(i: int) -> None:
+        try:
+            out[i] = await score_async(fn, row, texts[i], samples[i], **bounds)
+        except (SamplerError, EpisodeRejected):
+            raise  # an outage, or the whole rollout's rejection: not this sample's failure
+        except Exception as e:  # a user function: anything it raises marks the sample failed
+            log.warning("reward %s raised %s: %s (sample dropped)", _name(fn), type(e).__name__, e)
+
+    if not is_async(fn):
+        for i in range(len(texts)):
+            await one(i)
+        return out
+    async with anyio.create_task_group() as tg:
+        for i in range(len(texts)):
+            tg.start_soon(one, i)
+    return out
+
+
+def _finite(value) -> float:
+    value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"reward is not finite: {value}")
     return value
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def exact_match(row: dict, text: str, sample=None) -> float:

@@ -41,7 +41,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from producers.rewards import score
+from producers.rewards import score_all
 from schemas import Sample, Span
 from schemas.events import LOGPROB_DTYPE
 from schemas.metric_names import EPISODE_DROP_REASONS
@@ -60,22 +60,22 @@ SERVICE_TIMEOUT = 600.0  # seconds for a whole service reply when producer.rollo
 
 
 async def single_turn(row: dict, ctx: RolloutContext) -> list[Episode]:
-    """Render -> sample G completions in one call -> reward each (the default rollout)."""
+    """Render -> sample G completions in one call -> reward each (the default rollout; an
+    async reward is awaited for all G at once, see :mod:`producers.rewards`)."""
     task = ctx.task
     prompt = task.renderer.render(row)
-    completions = await ctx.sample(prompt, n=ctx.group_size)
-    out = []
-    for c in completions:
-        if not c.token_ids:
-            continue
-        try:
-            reward = score(task.reward_fn, row, task.renderer.decode(c.token_ids), c)
-        except Exception as e:  # a user function: anything it raises marks the sample failed
-            log.warning("reward %s raised %s: %s (sample dropped)", task.reward_path, type(e).__name__, e)
-            continue
-        segments = [Segment(prompt), Segment(list(c.token_ids), list(c.logprobs), c.version)]
-        out.append(Episode(segments, reward, c.finish_reason))
-    return out
+    completions = [c for c in await ctx.sample(prompt, n=ctx.group_size) if c.token_ids]
+    texts = [task.renderer.decode(c.token_ids) for c in completions]
+    rewards = await score_all(
+        task.reward_fn, row, texts, completions, limiter=ctx.reward_limiter, timeout=ctx.reward_timeout
+    )
+    return [
+        Episode(
+            [Segment(prompt), Segment(list(c.token_ids), list(c.logprobs), c.version)], r, c.finish_reason
+        )
+        for c, r in zip(completions, rewards, strict=True)
+        if r is not None
+    ]
 
 
 def load(path: str, *, max_reply_bytes: int = MAX_REPLY_BYTES, timeout: float = SERVICE_TIMEOUT) -> Rollout:

@@ -109,7 +109,7 @@ class ProducerSection(_Section):
     remote_logprobs: Literal["", "raw", "processed"] = (
         ""  # what the server reports; "" = the engine's default
     )
-    reward: str = ""  # "module:function" (row, text, sample) -> float; "" = demo reward / exact_match
+    reward: str = ""  # "module:function" (row, text, sample) -> float, maybe async; "judge" = [reward.judge]; "" = demo reward / exact_match
     lease_seconds: PosFloat = 60.0  # row lease; renewed while working, expired rows are re-issued
     epochs: NonNegInt = 0  # stop after this many passes over the dataset; 0 = forever
     max_groups: NonNegInt = 0  # stop after publishing this many groups; 0 = forever
@@ -346,6 +346,37 @@ class ArchiveSection(_Section):
             )
 
 
+JUDGE_TEMPLATE = (
+    "Score the response to the question from 0 to 1.\n\nQuestion: {prompt}\n"
+    "Reference answer: {answer}\n\nResponse: {completion}\n\nReply with the score only."
+)
+
+
+class JudgeSection(_Section):
+    """The built-in judge reward (``producer.reward = "judge"``): a model asked over HTTP."""
+
+    url: str = ""  # chat: the judge's OpenAI-compatible base URL (…/v1); score: a scoring endpoint's URL
+    kind: Literal["chat", "score"] = (
+        "chat"  # chat: the number in the reply to `template`; score: {"score": x}
+    )
+    model: str = ""  # model name sent to a chat judge
+    template: str = JUDGE_TEMPLATE  # a chat judge's prompt: {completion}, {prompt} and the row's fields
+    api_key_env: str = ""  # environment variable holding the judge's API key (a bearer token); "" = none
+    max_tokens: PosInt = 16  # reply length cap of a chat judge
+    timeout: PosFloat = 60.0  # seconds per HTTP request to the judge
+    retries: NonNegInt = 3  # more tries after an unreachable judge, a 429/5xx or a timeout (backoff)
+
+
+class RewardSection(_Section):
+    """How reward functions are awaited: async ones (the judge too) run concurrently."""
+
+    concurrency: PosInt = 32  # async reward calls in flight at once per producer
+    timeout: NonNegFloat = (
+        300.0  # seconds per async reward call, retries included (past it: an outage); 0 = none
+    )
+    judge: JudgeSection = msgspec.field(default_factory=JudgeSection)  # [reward.judge]
+
+
 class RunConfig(_Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     model: ModelSection = msgspec.field(default_factory=ModelSection)
@@ -356,11 +387,14 @@ class RunConfig(_Section):
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
     weights: WeightsSection = msgspec.field(default_factory=WeightsSection)
     archive: ArchiveSection = msgspec.field(default_factory=ArchiveSection)
+    reward: RewardSection = msgspec.field(default_factory=RewardSection)
 
     def __post_init__(self) -> None:
         if bad := _non_finite(self):  # inf passes `gt=0`; an lr of inf publishes NaN weights
             key, value = bad
             raise ValueError(f"key `{key}`: must be a finite number, got {value}")
+        if self.producer.reward == "judge" and not self.reward.judge.url:
+            raise ValueError('key `reward.judge.url`: required when `producer.reward` = "judge"')
         builtin = self.trainer.advantage in ADVANTAGE_NAMES
         if builtin and self.producer.group_size < 2:
             raise ValueError(  # every group would be rejected as zero-variance, silently

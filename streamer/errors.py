@@ -71,6 +71,11 @@ class SamplerError(StreamerError, RuntimeError):
         self.refused = refused
 
 
+class RewardUnavailable(SamplerError):
+    """A reward that calls a model got no answer (unreachable, 5xx after retries, past its
+    timeout): an outage like the engine's, so the row is handed back and no attempt counted."""
+
+
 class CheckpointError(StreamerError, ValueError):
     """A checkpoint directory that is incomplete, damaged, or of another format."""
 

@@ -155,6 +155,8 @@ class RolloutContext:
     seed: int
     sample_fn: SampleFn
     max_seq_len: int = 0  # 0 = no limit
+    reward_limiter: object | None = None  # bounds async reward calls across the producer's rows
+    reward_timeout: float = 0.0  # seconds per async reward call; 0 = none
 
     async def sample(
         self, prompt_ids: list[int], *, n: int = 1, max_new_tokens: int | None = None, seed: int | None = None

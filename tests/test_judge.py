@@ -1,0 +1,268 @@
+"""Rewards that call models: async rewards awaited concurrently under a bound and a timeout,
+and the built-in judge against a local HTTP server; a judge that fails is an outage (the row
+goes back, no attempt counted), one that answers without a number rejects the row, quoted."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import anyio
+import pytest
+
+from producers import httpd
+from producers.components import build
+from producers.producer import Producer
+from producers.rollout import single_turn
+from schemas import MetricsEvent, TrajectoryGroup, decode
+from streamer import demo
+from streamer.config import RunConfig, replace
+from streamer.errors import ConfigError, DatasetError, RewardUnavailable
+from streamer.rollout_types import Completion, RolloutContext
+
+ROW = {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}
+HOLD_SECONDS = 10.0  # a judge request waits at most this long for the others to arrive
+
+
+class JudgeServer:
+    """An OpenAI-compatible judge on 127.0.0.1 (free port). No request is answered before
+    ``hold`` requests have been in flight at once (waiting at most HOLD_SECONDS; past it: a
+    500 saying so); then each gets ``reply(body) -> (status, payload)``. With ``hang`` no
+    request is answered before the server closes."""
+
+    def __init__(self, reply, *, hold: int = 1, hang: bool = False):
+        self.requests: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.cond = threading.Condition()
+        self.done = threading.Event()  # set at exit: hung requests let go
+        judge = self
+
+        class Handler(httpd.JsonHandler):
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                if not raw:  # the client gave up on this connection
+                    return
+                body = json.loads(raw)
+                with judge.cond:
+                    judge.requests.append(body)
+                    judge.in_flight += 1
+                    judge.max_in_flight = max(judge.max_in_flight, judge.in_flight)
+                    judge.cond.notify_all()
+                    together = judge.cond.wait_for(lambda: judge.max_in_flight >= hold, timeout=HOLD_SECONDS)
+                try:
+                    if hang:
+                        judge.done.wait(HOLD_SECONDS)
+                    if not together:
+                        return self.send_json(500, {"error": f"not {hold} requests in flight at once"})
+                    status, payload = reply(body)
+                    if isinstance(payload, bytes):
+                        return self.send_body(status, payload)
+                    self.send_json(status, payload)
+                finally:
+                    with judge.cond:
+                        judge.in_flight -= 1
+
+        self.httpd = httpd.server(Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        httpd.start(self.httpd, "judge")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def chat(content: str) -> tuple[int, dict]:
+    return 200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
+
+
+class Fixed:
+    """A sampler whose G completions of any prompt are the texts given."""
+
+    def __init__(self, renderer, texts):
+        self.renderer, self.texts = renderer, texts
+
+    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=None):
+        out = []
+        for text in (self.texts * n)[:n]:
+            ids = [*self.renderer.tokenizer.encode(text, add_special_tokens=False), self.renderer.stop_ids[0]]
+            out.append(Completion(ids, [-0.5] * len(ids), "stop", version=0))
+        return out
+
+
+def _ctx(reward_fn, *, group_size: int = 4, limit: int = 4, timeout: float = 0.0) -> RolloutContext:
+    from producers.components import load_task
+
+    task = load_task(demo.config(), dataset="demo", rows=[ROW], reward_fn=reward_fn)
+    sampler = Fixed(task.renderer, ["5", "4", "5", "3"])
+
+    async def sample_fn(prompt_ids, **kwargs):
+        return sampler.sample(prompt_ids, **kwargs)
+
+    return RolloutContext(
+        task=task,
+        group_size=group_size,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=4,
+        seed=0,
+        sample_fn=sample_fn,
+        reward_limiter=anyio.CapacityLimiter(limit),
+        reward_timeout=timeout,
+    )
+
+
+def test_async_reward_calls_of_a_group_are_awaited_at_once():
+    inside, everyone = [0], None
+
+    async def reward(row, text, sample):
+        inside[0] += 1
+        if inside[0] == 4:
+            everyone.set()
+        with anyio.fail_after(HOLD_SECONDS):  # sequential calls would never all be inside
+            await everyone.wait()
+        return float(text.strip() == row["answer"])
+
+    async def main():
+        nonlocal everyone
+        everyone = anyio.Event()
+        return await single_turn(ROW, _ctx(reward, limit=4))
+
+    episodes = anyio.run(main)
+    assert [e.reward for e in episodes] == [1.0, 0.0, 1.0, 0.0] and inside == [4]
+
+
+def test_async_reward_calls_stay_within_the_concurrency_bound():
+    inside, most = [0], [0]
+
+    async def reward(row, text, sample):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        for _ in range(5):  # let every other call that may start, start
+            await anyio.lowlevel.checkpoint()
+        inside[0] -= 1
+        return 1.0
+
+    episodes = anyio.run(single_turn, ROW, _ctx(reward, limit=2))
+    assert len(episodes) == 4 and most == [2]
+
+
+def test_async_reward_past_its_timeout_is_an_outage_not_a_zero_reward():
+    async def reward(row, text, sample):
+        await anyio.sleep_forever()
+
+    with pytest.raises(BaseException) as e:
+        anyio.run(single_turn, ROW, _ctx(reward, timeout=0.2))
+    leaf = e.value
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    assert isinstance(leaf, RewardUnavailable) and "gave no answer within 0.2s" in str(leaf)
+
+
+def _cfg(keys, redis_url, tmp_path, url: str, *, attempts: int = 3, **judge) -> RunConfig:
+    return replace(
+        RunConfig(),
+        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
+        producer={
+            "group_size": 2,
+            "min_group_size": 2,
+            "max_new_tokens": 2,
+            "torch_threads": 1,
+            "reward": "judge",
+            "max_row_attempts": attempts,
+        },
+        trainer={"groups_per_step": 1000},
+        reward={"judge": {"url": url, "model": "judge-1", "retries": 0, **judge}},
+    )
+
+
+def _counters(client, keys) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for _, f in client.xrange(keys.metrics):
+        for k, v in decode(f[b"d"], MetricsEvent).values.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def test_judge_requests_of_a_group_run_at_once_and_their_scores_are_the_rewards(
+    keys, redis_url, tmp_path, client
+):
+    with JudgeServer(lambda body: chat("Score: 0.75"), hold=2) as judge:
+        cfg = _cfg(keys, redis_url, tmp_path, judge.url)
+        task, sampler = build(cfg)
+        p = Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler)
+        assert p.step() == "published"
+    assert judge.max_in_flight == 2, "both requests were in flight before either was answered"
+    (entry,) = client.xrange(keys.traj)
+    group = decode(entry[1][b"d"], TrajectoryGroup)
+    assert [s.reward for s in group.samples] == [0.75, 0.75]
+    request = judge.requests[0]
+    assert request["model"] == "judge-1" and request["temperature"] == 0.0
+    (message,) = request["messages"]
+    row = task.rows[group.row]
+    assert f"Reference answer: {row['answer']}" in message["content"]
+    assert f"Question: {row['messages'][-1]['content']}" in message["content"]
+
+
+@pytest.mark.parametrize("failure", ["503", "unreachable", "slow"])
+def test_judge_that_fails_is_an_outage_the_row_goes_back_uncounted(
+    keys, redis_url, tmp_path, client, failure
+):
+    with JudgeServer(lambda body: (503, b"overloaded"), hang=failure == "slow") as judge:
+        url = judge.url
+        cfg = _cfg(keys, redis_url, tmp_path, url, retries=1, timeout=0.3)
+        task, sampler = build(cfg)
+        if failure == "unreachable":
+            judge.__exit__()  # nothing listens on that port any more
+        p = Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler)
+        p.stop.set()  # no outage backoff in the test
+        assert p.step() == "error"
+    if failure != "unreachable":
+        assert len(judge.requests) == 2 * 2, "each of the G requests, retried once"
+    assert client.hlen(keys.row_attempts) == 0, "an outage is not one of the row's attempts"
+    assert client.lrange(keys.requeue, 0, -1) == [b"0"] and client.xlen(keys.traj) == 0
+
+
+@pytest.mark.parametrize(
+    "kind, reply, says",
+    [
+        ("chat", chat("The response looks right to me."), "the judge's reply has no number: 'The response"),
+        ("chat", chat("NaN"), "the judge's reply has no number: 'NaN'"),
+        ("chat", (200, b"<html>" + b"x" * 500), "is not a chat completion: '<html>xxx"),
+        ("score", (200, {"score": "high"}), 'is not {"score": <finite number>}: \'{"score": "high"}\''),
+    ],
+)
+def test_judge_that_answers_without_a_number_dead_letters_the_row_with_the_reply_quoted(
+    keys, redis_url, tmp_path, client, kind, reply, says
+):
+    with JudgeServer(lambda body: reply) as judge:
+        url = judge.url if kind == "chat" else judge.url + "/score"
+        cfg = _cfg(keys, redis_url, tmp_path, url, attempts=1, kind=kind)
+        task, sampler = build(cfg)
+        p = Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler)
+        assert p.step() == "failed" and p.step() == "failed"  # the second claim skips the row
+    if kind == "score":
+        assert judge.requests[0]["completion"] is not None and judge.requests[0]["row"] in task.rows
+    skipped = client.hgetall(keys.skipped_rows)
+    assert list(skipped) == [b"0"] and says in skipped[b"0"].decode()
+    assert len(skipped[b"0"]) < 500, "the quote is truncated"
+    p._flush_metrics()
+    assert _counters(client, keys)["episodes_dropped_bad_reward"] >= 2 and client.xlen(keys.traj) == 0
+
+
+def test_judge_config_errors_name_the_key_or_the_row_before_anything_runs(keys, redis_url, tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"key `reward.judge.url`: required when `producer.reward` = \"judge\""
+    ):
+        replace(RunConfig(), producer={"reward": "judge"})
+    cfg = _cfg(keys, redis_url, tmp_path, "http://127.0.0.1:9/v1", template="{difficulty}: {completion}")
+    with pytest.raises(
+        DatasetError, match=r"row 0 \(and \d+ more\) has no `difficulty`, which the reward judge"
+    ):
+        build(cfg)
+    cfg = _cfg(keys, redis_url, tmp_path, "http://127.0.0.1:9/v1", api_key_env="STREAMER_TEST_NO_SUCH_KEY")
+    with pytest.raises(ConfigError, match=r"\$STREAMER_TEST_NO_SUCH_KEY is not set"):
+        build(cfg)
