@@ -206,6 +206,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "Episodes dropped per second",
                 (rate(ROLL + "prefix_mismatches_total"), "prefix mismatches"),
                 (rate(ROLL + "proxy_divergences_total"), "proxy divergences (a new chain, not dropped)"),
+                (rate(ROLL + "episode_forks_total"), "forks (extra samples, not dropped)"),
                 *(
                     (rate(ROLL + f"episodes_dropped_{r}_total"), r.replace("_", " "))
                     for r in EPISODE_DROP_REASONS
