@@ -8,10 +8,12 @@ rollout service**: ``POST`` the JSON below, receive the row's episodes token-nat
     reply:   {"episodes": [{"segments": [{"tokens": [...]},                 # context
                                          {"tokens": [...], "logprobs": [...],
                                           "version": v}, ...],           # sampled
-                            "reward": r, "finish_reason": "stop", "metrics": {...}}]}
+                            "reward": r, "finish_reason": "stop", "metrics": {...},
+                            "forks": [[{"tokens": [...]}, ...], ...]}]}    # optional
 
 A sampled segment names the policy version that sampled it (the service's engine
-follows the run's weights; the proxy of :mod:`producers.proxy` is one way to). The reply
+follows the run's weights; the proxy of :mod:`producers.proxy` is one way to); ``forks``
+are the episode's earlier pieces (:class:`Episode`), segments like ``segments``. The reply
 is untrusted: one that is not JSON or not of this shape, or larger than
 ``producer.max_reply_bytes`` (read as it streams in, never past the cap), drops the
 rollout with reason ``malformed`` and a message naming the field; an HTTP error drops it
@@ -98,6 +100,7 @@ class _WireEpisode(msgspec.Struct, forbid_unknown_fields=True):
     reward: float
     finish_reason: FinishReason = "stop"
     metrics: dict[str, float] = {}
+    forks: list[list[_WireSegment]] = []
 
 
 class _Reply(msgspec.Struct):
@@ -181,8 +184,12 @@ def _text(content: bytes) -> str:
 
 
 def _episode(e: _WireEpisode) -> Episode:  # JSON numbers are finite: msgspec refuses 1e400
-    segments = [Segment(s.tokens, s.logprobs, s.version, s.mask) for s in e.segments]
-    return Episode(segments, e.reward, e.finish_reason, dict(e.metrics))
+    forks = [_segments(piece) for piece in e.forks]
+    return Episode(_segments(e.segments), e.reward, e.finish_reason, dict(e.metrics), forks=forks)
+
+
+def _segments(wire: list[_WireSegment]) -> list[Segment]:
+    return [Segment(s.tokens, s.logprobs, s.version, s.mask) for s in wire]
 
 
 def to_samples(

@@ -271,3 +271,33 @@ def test_fork_whose_piece_exceeds_max_seq_len_drops_its_episode_with_the_reason(
     assert counters["episodes_dropped_too_long"] == 1 and counters["sample_failures"] == 1
     assert [s.episode for s in group.samples] == [0, 0, 2, 2] and counters["episode_forks"] == 2
     assert max(s.num_tokens for s in group.samples) <= 60
+
+
+def test_fork_pieces_come_back_from_a_rollout_service(keys, redis_url, tmp_path, client):
+
+    from producers import httpd
+
+    def episode(reward: float) -> dict:
+        first = [{"tokens": [3, 8]}, {"tokens": [9, 5], "logprobs": [-0.2, -0.1], "version": 0}]
+        last = [{"tokens": [3, 8, 5]}, {"tokens": [7], "logprobs": [-0.3], "version": 0}]
+        return {"segments": last, "reward": reward, "forks": [first]}
+
+    class Handler(httpd.JsonHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_json(200, {"episodes": [episode(1.0), episode(0.0)]})
+
+    service = httpd.server(Handler)
+    httpd.start(service)
+    try:
+        cfg = _cfg(keys, redis_url, tmp_path, group_size=2)
+        cfg = replace(cfg, producer={"rollout": f"http://127.0.0.1:{service.server_address[1]}/rollout"})
+        r = _renderer()
+        p = Producer(cfg, client=client, producer_id="p", task=_task(r), sampler=Thinker(r))
+        assert p.step() == "published"
+    finally:
+        service.shutdown()
+        service.server_close()
+    group, counters = _published(client, keys)
+    assert [s.token_ids().tolist() for s in group.samples] == [[3, 8, 9, 5], [3, 8, 5, 7]] * 2
+    assert [s.episode for s in group.samples] == [0, 0, 1, 1] and counters["episode_forks"] == 2
