@@ -255,7 +255,7 @@ class Trainer:
         early = self.feed.uncovered + self.trainer_cfg.groups_per_step > self.cfg.bus.max_unacked // 2
         if self.step % self.trainer_cfg.checkpoint_every == 0 or early:
             self.checkpoint()
-        rewards = [r for g in ready.groups for r in g.rewards().tolist()]
+        rewards = [r for g in ready.groups for r in g.episode_rewards().tolist()]
         lengths = [s.completion_len for g in ready.groups for s in g.samples]
         values = {
             **stats,

@@ -11,6 +11,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from schemas import TrajectoryGroup
 from schemas.metric_names import ROLLOUT
 
@@ -53,12 +55,12 @@ def group_values(
     group: TrajectoryGroup, *, failures: int, current_version: int, timings: Timings
 ) -> dict[str, float]:
     """The gauges and counters of one published group."""
-    rewards = [s.reward for s in group.samples]
+    rewards = _episode_rewards(group)
     lengths = [s.completion_len for s in group.samples]
     n = len(group.samples)
     values = {
-        "reward_mean": sum(rewards) / n,
-        "accuracy": sum(r > 0 for r in rewards) / n,
+        "reward_mean": sum(rewards) / len(rewards),
+        "accuracy": sum(r > 0 for r in rewards) / len(rewards),
         "response_length_mean": sum(lengths) / n,
         "response_length_min": float(min(lengths)),
         "response_length_max": float(max(lengths)),
@@ -75,6 +77,14 @@ def group_values(
     if failures:
         values["sample_failures"] = float(failures)
     return values
+
+
+def _episode_rewards(group: TrajectoryGroup) -> list[float]:
+    """One reward per episode: the forks of an episode count once."""
+    if all(s.episode is None for s in group.samples):
+        return [s.reward for s in group.samples]
+    first = np.unique(group.episode_index(), return_index=True)[1]
+    return [group.samples[i].reward for i in first]
 
 
 def episode_values(episodes, *, seconds: float, in_flight: int) -> dict[str, float]:
