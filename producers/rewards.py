@@ -84,9 +84,11 @@ async def score_async(
     return _finite(value)
 
 
-async def score_all(fn: RewardFn, row: dict, texts: list[str], samples, **bounds) -> list[float | None]:
-    """The reward of each (text, sample); None where the reward failed (logged). An async
-    ``fn`` is awaited for all of them at once (``bounds``: :func:`score_async`'s)."""
+async def score_all(
+    fn: RewardFn, row: dict, texts: list[str], samples, *, name: str = "", **bounds
+) -> list[float | None]:
+    """The reward of each (text, sample); None where the reward failed (logged, as ``name``).
+    An async ``fn`` is awaited for all of them at once (``bounds``: :func:`score_async`'s)."""
     out: list[float | None] = [None] * len(texts)
 
     async def one(i: int) -> None:
@@ -95,7 +97,7 @@ async def score_all(fn: RewardFn, row: dict, texts: list[str], samples, **bounds
         except (SamplerError, EpisodeRejected):
             raise  # an outage, or the whole rollout's rejection: not this sample's failure
         except Exception as e:  # a user function: anything it raises marks the sample failed
-            log.warning("reward %s raised %s: %s (sample dropped)", _name(fn), type(e).__name__, e)
+            log.warning("reward %s raised %s: %s (sample dropped)", name or _name(fn), type(e).__name__, e)
 
     if not is_async(fn):
         for i in range(len(texts)):

@@ -35,7 +35,6 @@ arithmetic), trained as 0.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import anyio
@@ -50,8 +49,6 @@ from schemas.metric_names import EPISODE_DROP_REASONS
 from streamer.errors import EpisodeRejected, SamplerError
 from streamer.imports import load_function
 from streamer.rollout_types import DEFAULT_ROLLOUT, Episode, FinishReason, Rollout, RolloutContext, Segment
-
-log = logging.getLogger(__name__)
 
 # why an episode (or a whole rollout) was dropped: counted as rollout `episodes_dropped_{reason}`
 REASONS = EPISODE_DROP_REASONS
@@ -69,7 +66,13 @@ async def single_turn(row: dict, ctx: RolloutContext) -> list[Episode]:
     completions = [c for c in await ctx.sample(prompt, n=ctx.group_size) if c.token_ids]
     texts = [task.renderer.decode(c.token_ids) for c in completions]
     rewards = await score_all(
-        task.reward_fn, row, texts, completions, limiter=ctx.reward_limiter, timeout=ctx.reward_timeout
+        task.reward_fn,
+        row,
+        texts,
+        completions,
+        name=task.reward_path,
+        limiter=ctx.reward_limiter,
+        timeout=ctx.reward_timeout,
     )
     return [
         Episode(
