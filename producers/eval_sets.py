@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from producers import rewards
+from producers.components import load_reward
 from producers.dataset import check_required, load_rows
 from streamer.config import DEFAULT_SET, EvalSetSection, RunConfig
 from streamer.errors import ConfigError, DatasetError
@@ -82,7 +83,7 @@ def _prepare(cfg: RunConfig, name: str, s: EvalSetSection) -> EvalSet:
     rollout = s.rollout or cfg.producer.rollout
     try:
         rows = load_rows(s.dataset, split="eval")
-        reward_fn = rewards.load(path)
+        reward_fn = load_reward(cfg, path)
         if not rollout.startswith(("http://", "https://")):
             load_function(rollout or DEFAULT_ROLLOUT, what="rollout")
     except (ConfigError, ValueError) as e:

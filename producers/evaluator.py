@@ -31,9 +31,10 @@ import time
 import zlib
 from dataclasses import dataclass
 
+import anyio
 import redis
 
-from producers import eval_sets
+from producers import eval_sets, rewards
 from producers import rollout as rollouts
 from producers.components import eval_sampler
 from producers.dataset import DatasetError
@@ -47,6 +48,7 @@ from streamer import lifecycle, models, rollout_eval
 from streamer.bus import Publisher
 from streamer.config import DEFAULT_SET, RunConfig
 from streamer.connection import connect, retrying
+from streamer.errors import EpisodeRejected, RewardUnavailable
 from streamer.keys import Keys
 from streamer.rollout_types import Rollout, Task
 
@@ -197,7 +199,7 @@ class Evaluator:
                 seed=self._seed(spec, version, lo),
             )
             for row, completions in zip(spec.rows[lo:], batch):
-                rewards = [self._reward(s.task, row, c) for c in completions]
+                rewards = self._rewards(s.task, row, completions)
                 lengths = [len(c.token_ids) for c in completions]
                 out.append(RowScores(rewards, [r > 0 for r in rewards], lengths))
         return out
@@ -222,6 +224,33 @@ class Evaluator:
         if spec.temperature == 0:
             return None
         return zlib.crc32(f"{self.cfg.run.seed}:{spec.name}:{version}:{batch}".encode())
+
+    def _rewards(self, task: Task, row: dict, completions) -> list[float]:
+        """The reward of each completion; an async reward (a judge) is awaited for all at once,
+        and its outage (RewardUnavailable) is waited out like the engine's, never scored."""
+        if not rewards.is_async(task.reward_fn):
+            return [self._reward(task, row, c) for c in completions]
+        texts = [task.renderer.decode(c.token_ids) for c in completions]
+        call = functools.partial(
+            rewards.score_all,
+            task.reward_fn,
+            row,
+            texts,
+            completions,
+            name=task.reward_path,
+            timeout=self.cfg.reward.timeout,
+        )
+        try:
+            try:
+                scored = anyio.run(call)
+            except BaseExceptionGroup as group:  # the first failure, as the producer reads it
+                raise group.exceptions[0] from None
+        except (EpisodeRejected, RewardUnavailable) as e:  # a bad reply, or the row refused
+            if isinstance(e, RewardUnavailable) and not e.refused:
+                raise  # an outage: waited out
+            log.warning("reward %s: %s (counted as 0)", task.reward_path, e)
+            return [0.0] * len(completions)
+        return [0.0 if r is None else r for r in scored]
 
     def _reward(self, task: Task, row: dict, completion) -> float:
         try:

@@ -266,3 +266,25 @@ def test_judge_config_errors_name_the_key_or_the_row_before_anything_runs(keys, 
     cfg = _cfg(keys, redis_url, tmp_path, "http://127.0.0.1:9/v1", api_key_env="STREAMER_TEST_NO_SUCH_KEY")
     with pytest.raises(ConfigError, match=r"\$STREAMER_TEST_NO_SUCH_KEY is not set"):
         build(cfg)
+
+
+def test_judge_scores_the_evaluators_sets_too(keys, redis_url, tmp_path, client):
+    from producers import eval_sets
+    from producers.components import load_task, local_sampler
+    from producers.evaluator import Evaluator
+    from producers.judge import Judge
+    from streamer import models
+
+    with JudgeServer(lambda body: chat("0.25")) as judge:
+        cfg = replace(
+            _cfg(keys, redis_url, tmp_path, judge.url),
+            eval={"max_rows": 3, "batch_size": 3, "max_new_tokens": 2, "max_versions": 1},
+        )
+        (default,) = eval_sets.prepare(cfg)  # checked before anything runs
+        assert isinstance(default.reward_fn, Judge) and default.reward_path == "judge"
+        tok = models.load_tokenizer(cfg.model)
+        sampler, stops = local_sampler(cfg, tok)
+        task = load_task(cfg, dataset="demo", split="eval", tokenizer=tok, extra_stop_ids=stops)
+        assert Evaluator(cfg, client=client, task=task, sampler=sampler).run() == 0
+    (event,) = [decode(f[b"d"], MetricsEvent) for _, f in client.xrange(keys.metrics)]
+    assert event.values["reward_mean"] == 0.25 and len(judge.requests) == 3
