@@ -164,13 +164,13 @@ def advantages_of(
 
     Computed over the group's episodes, then given to each of an episode's samples: the
     forks of one episode count once in the baseline and share its advantage."""
-    index = group.episode_index()
-    rewards = torch.from_numpy(group.episode_rewards())
+    forked = any(s.episode is not None for s in group.samples)
+    rewards = torch.from_numpy(group.episode_rewards() if forked else group.rewards())
     if advantage is not None:
         adv = advantages.compute(advantage, rewards).numpy()
     else:
         adv = group_advantages(rewards, std_normalize=std_normalize, std_floor=std_floor).numpy()
-    return adv if len(adv) == len(index) else adv[index]
+    return adv[group.episode_index()] if forked else adv
 
 
 def collator(cfg: TrainerSection) -> Callable[[Sequence[TrajectoryGroup]], Batch]:
