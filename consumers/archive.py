@@ -104,7 +104,11 @@ def trained_advantages(group: TrajectoryGroup, verdict: Verdict, advantage: Adva
     if not verdict.accepted:
         return [None] * len(group.samples)
     kept = verdict.group.samples
-    values = advantage(verdict.group.rewards().astype(np.float64)).tolist()  # as collate does
+    if any(s.episode is not None for s in kept):  # over episodes, each fork given its episode's
+        rewards = verdict.group.episode_rewards().astype(np.float64)
+        values = np.asarray(advantage(rewards))[verdict.group.episode_index()].tolist()
+    else:
+        values = advantage(verdict.group.rewards().astype(np.float64)).tolist()  # as collate does
     out, j = [], 0
     for s in group.samples:  # the kept samples are a subsequence (a masked one is a copy, same tokens)
         if j < len(kept) and kept[j].tokens is s.tokens:
@@ -133,18 +137,23 @@ def record(
         "verdict_by": "archiver",  # re-judged here, not the trainer's own verdict
         "verdict_version": verdict_version,
         "prompt": decode_text(first.token_ids()[: first.prompt_len].tolist()),
-        "completions": [
-            {
-                "text": decode_text(s.completion_ids().tolist()),
-                "reward": s.reward,
-                "advantage": a,
-                "version": s.version,
-                "finish_reason": s.finish_reason,
-                "tokens": s.completion_len,
-            }
-            for s, a in zip(group.samples, advantages)
-        ],
+        "completions": [_completion(s, a, decode_text) for s, a in zip(group.samples, advantages)],
     }
+
+
+def _completion(s, advantage, decode_text) -> dict:
+    out = {
+        "text": decode_text(s.completion_ids().tolist()),
+        "reward": s.reward,
+        "advantage": advantage,
+        "version": s.version,
+        "finish_reason": s.finish_reason,
+        "tokens": s.completion_len,
+    }
+    if s.episode is not None:  # a fork: one episode's piece, with a prompt of its own
+        out["episode"] = s.episode
+        out["prompt"] = decode_text(s.token_ids()[: s.prompt_len].tolist())
+    return out
 
 
 class RotatingWriter:

@@ -301,3 +301,16 @@ def test_fork_pieces_come_back_from_a_rollout_service(keys, redis_url, tmp_path,
     group, counters = _published(client, keys)
     assert [s.token_ids().tolist() for s in group.samples] == [[3, 8, 9, 5], [3, 8, 5, 7]] * 2
     assert [s.episode for s in group.samples] == [0, 0, 1, 1] and counters["episode_forks"] == 2
+
+
+def test_fork_archive_records_the_trainers_advantages_and_each_pieces_prompt():
+    from consumers.archive import advantage_of, record, trained_advantages
+
+    g = _fork_group([(0, 1.0), (0, 1.0), (1, 0.0), (2, 0.0)])
+    cfg = TrainerSection()
+    archived = trained_advantages(g, GroupFilter.from_config(cfg)(g, version=0), advantage_of(cfg))
+    assert archived == pytest.approx(collate([g]).advantages.tolist(), abs=1e-6)
+    assert archived[0] == archived[1] != archived[2]
+    entry = record("1-0", g, decode_text=str, verdict="accepted", advantages=archived, verdict_version=0)
+    assert [c["episode"] for c in entry["completions"]] == [0, 0, 1, 2]
+    assert entry["completions"][1]["prompt"] == "[1, 2]"
