@@ -465,7 +465,7 @@ class Producer:
             log.error("engine unreachable (%d tries): %s; row handed back, waiting", self._failures, e)
             problems.report(self.client, self.keys, self._who, f"engine down: {e}")
             self._problem = True
-        await self._backoff(min(30.0, 0.5 * 2**self._failures))
+        await self._backoff(min(30.0, 0.5 * 2 ** min(self._failures, 6)))
         return "error"
 
     async def _backoff(self, seconds: float) -> None:
