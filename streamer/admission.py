@@ -72,6 +72,7 @@ from typing import NamedTuple
 import redis
 
 from streamer.bus import FIELD, as_str
+from streamer.connection import TRANSIENT
 from streamer.errors import LeaseLost
 from streamer.keys import Keys
 from streamer.values import DataError
@@ -282,6 +283,8 @@ class Admission:
             keys, args = keys + [self.keys.lease_owner, self.keys.lease_slots], args + [ticket, owner]
         try:
             granted = int(self._script(keys=keys, args=args))
+        except TRANSIENT:  # a cluster that is down answers CLUSTERDOWN, a ResponseError too
+            raise
         except redis.exceptions.ResponseError as e:  # a counter or limit that is not a number
             raise DataError(f"admission: {e}") from None
         if granted < 0:
@@ -410,6 +413,8 @@ class Leases:
                 ],
                 args=[ticket, self.owner, FIELD, payload],
             )
+        except TRANSIENT:
+            raise
         except redis.exceptions.ResponseError as e:  # checked before anything is written
             raise DataError(f"publishing: {e}") from None
         if reply is None:

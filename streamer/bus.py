@@ -79,6 +79,8 @@ def unacked(client: redis.Redis, stream: str, group: str = TRAINER_GROUP) -> int
     """Entries of ``stream`` that ``group`` has not acknowledged (pending + never read)."""
     try:
         groups = client.xinfo_groups(stream)
+    except TRANSIENT:  # a cluster that is down is not "no stream": no room known, the caller waits
+        raise
     except redis.exceptions.ResponseError:  # no such stream yet
         return 0
     for g in groups:
@@ -322,6 +324,8 @@ def trim_acked(client: redis.Redis, stream: str, *, max_lag: dict[str, int] | No
     """
     try:
         groups = client.xinfo_groups(stream)
+    except TRANSIENT:
+        raise
     except redis.exceptions.ResponseError:
         return 0
     if not groups:
