@@ -124,6 +124,7 @@ def test_a_trainer_without_the_recorded_checkpoint_refuses_to_start_over(client,
     name = checkpoint.latest(tmp_path / "first" / keys.run / "checkpoints")[1].name
     policy = client.xlen(keys.policy)
 
+    publish(client, keys.traj, [make_group(rng) for _ in range(2)])  # (before the fix it trained them)
     elsewhere = _cfg(redis_url, keys, tmp_path / "elsewhere", steps=1)
     with pytest.raises(StreamerError) as refused:
         _trainer(elsewhere, client, keys).run()
@@ -132,7 +133,7 @@ def test_a_trainer_without_the_recorded_checkpoint_refuses_to_start_over(client,
     assert "\n" not in message
     assert client.xlen(keys.policy) == policy  # nothing announced
 
+    assert client.xpending(keys.traj, TRAINER_GROUP)["pending"] == 0  # nothing read
     # told to, it trains this run on from the initial weights
-    publish(client, keys.traj, [make_group(rng) for _ in range(2)])
     assert _trainer(elsewhere, client, keys, from_initial_weights=True).run() == 0
     assert client.xlen(keys.policy) == policy + 2
