@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
-import socket
 import sys
 import threading
 import time
@@ -51,7 +49,7 @@ from streamer.config import RunConfig
 from streamer.connection import connect, retrying
 from streamer.errors import StreamerError
 from streamer.keys import ARCHIVE_GROUP, Keys
-from streamer.trainer_lease import TrainerLease
+from streamer.trainer_lease import TrainerLease, record_checkpoint, refuse_a_lost_checkpoint
 from streamer.values import check_types, parse_int
 
 log = logging.getLogger(__name__)
@@ -162,8 +160,8 @@ class Trainer:
 
     def _restore(self) -> None:
         found = checkpoint.latest(self.cfg.checkpoint_dir)
-        if found is None and not self.from_initial_weights:
-            self._refuse_a_lost_checkpoint()
+        if found is None and not self.from_initial_weights:  # another data dir, or deleted
+            refuse_a_lost_checkpoint(self.client, self.keys, self.cfg.checkpoint_dir)
         if self.dp:  # every rank restores the same checkpoint (the data dir is shared)
             self.dp.send_restore("" if found is None else str(found[0]))
         if found is None:
@@ -175,21 +173,6 @@ class Trainer:
             self.data_position = meta.data
             log.info("restored checkpoint %s (step %d, high-water %s)", meta.name, meta.step, meta.high_water)
         self.learner.gather()  # sharded: the weights publish_now writes
-
-    def _refuse_a_lost_checkpoint(self) -> None:
-        """No checkpoint here, but the server says this run has one: another data dir, or its
-        checkpoints were deleted. Starting from the initial weights would train on as if the
-        run's progress never happened (under its version numbers), so only when told to."""
-        recorded = self.client.hget(self.keys.run_marker, "checkpoint")
-        if recorded is None:
-            return
-        raise StreamerError(
-            f"run {self.keys.run} has checkpoint {recorded.decode(errors='replace')} on the server's "
-            f"record, but {self.cfg.checkpoint_dir} holds no checkpoint (another data dir, or its "
-            "checkpoints were deleted): point --data-dir at the run's data, start over with "
-            "`streamer up --fresh` or a new --run name, or pass --from-initial-weights to train "
-            "this run on from the initial weights"
-        )
 
     def _next_version(self) -> int:
         """One past the newest version anywhere: policy stream, version key, the checkpoint,
@@ -369,8 +352,8 @@ class Trainer:
         )
         self.parent, self.checkpointed_version = meta.name, meta.version
         self.feed.checkpointed(covered, give_up_after=self.give_up_after)
-        retrying(  # a trainer that finds none later knows it is not the run's start
-            lambda: self.client.hset(self.keys.run_marker, "checkpoint", meta.name),
+        retrying(  # a trainer that finds no checkpoint knows whether the run has one
+            lambda: record_checkpoint(self.client, self.keys, meta.name),
             what="recording the checkpoint",
             give_up_after=self.give_up_after,
         )
@@ -446,8 +429,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
         # one trainer per run: a second one would prune the first one's files (one line, exit 1)
         lock = rundir.trainer_lock(rundir.mark_run(cfg.run_dir)).acquire()
         # ... and on the server: one with another data dir is refused too (streamer.trainer_lease)
-        holder = f"pid {os.getpid()} on {socket.gethostname()}, data dir {cfg.run.data_dir}"
-        lease = TrainerLease(client, keys, owner=rundir.trainer_id(cfg.run_dir), holder=holder)
+        lease = TrainerLease.of_run_dir(client, keys, cfg.run_dir)
         try:
             retrying(lease.acquire, what="taking the run's trainer lease")
             lease.start_renewing()

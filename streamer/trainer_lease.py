@@ -20,8 +20,12 @@ key that is missing (the server lost the run's data) fences nobody; the renewal 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
+from pathlib import Path
 
+from streamer import rundir
 from streamer.errors import StreamerError
 from streamer.keys import Keys
 
@@ -87,6 +91,12 @@ class TrainerLease:
         self._renew = client.register_script(_RENEW)
         self._give_back = client.register_script(_GIVE_BACK)
         self._ack = client.register_script(_ACK)
+
+    @classmethod
+    def of_run_dir(cls, client, keys: Keys, run_dir: Path) -> TrainerLease:
+        """The lease of the trainer of ``run_dir`` (its owner token lives there)."""
+        holder = f"pid {os.getpid()} on {socket.gethostname()}, data dir {Path(run_dir).parent}"
+        return cls(client, keys, owner=rundir.trainer_id(run_dir), holder=holder)
 
     def acquire(self) -> int:
         """Take the run (a fresh fence) or raise StreamerError naming who holds it."""
@@ -159,3 +169,23 @@ class TrainerLease:
                 raise self.fenced()
             n += done
         return n
+
+
+def record_checkpoint(client, keys: Keys, name: str) -> None:
+    """Note on the server that the run has checkpoint ``name`` (see :func:`refuse_a_lost_checkpoint`)."""
+    client.hset(keys.run_marker, "checkpoint", name)
+
+
+def refuse_a_lost_checkpoint(client, keys: Keys, checkpoint_dir: Path) -> None:
+    """StreamerError when ``checkpoint_dir`` holds no checkpoint but the server records one:
+    another data dir, or its checkpoints were deleted. Starting from the initial weights
+    would train on as if the run's progress never happened, so only when told to."""
+    recorded = client.hget(keys.run_marker, "checkpoint")
+    if recorded is None:
+        return
+    raise StreamerError(
+        f"run {keys.run} has checkpoint {recorded.decode(errors='replace')} on the server's record, "
+        f"but {checkpoint_dir} holds no checkpoint (another data dir, or its checkpoints were "
+        "deleted): point --data-dir at the run's data, start over with `streamer up --fresh` or a "
+        "new --run name, or pass --from-initial-weights to train this run on from the initial weights"
+    )
