@@ -44,6 +44,7 @@ from streamer.bus import Consumer, Delivery
 from streamer.config import RunConfig, TrainerSection
 from streamer.connection import connect, retrying
 from streamer.keys import ARCHIVE_GROUP, Keys
+from streamer.values import DataError, parse_int
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,7 @@ class Archiver:
         self.writer: RotatingWriter | None = None
         self.archived = self.skipped = 0
         self.broken: str | None = None  # why archiving stopped (disk full, unwritable)
+        self._bad_version = ""  # the version key's problem, logged once
 
     def step(self, block: float | None = None) -> int:
         """Read one batch; archive it (or skip it once broken); ack it. Entries read."""
@@ -236,20 +238,32 @@ class Archiver:
             self.writer = RotatingWriter(
                 archive_dir(self.cfg), file_bytes=a.file_bytes, max_bytes=a.max_bytes
             )
-        version = int(self.client.get(self.keys.version) or 0)
+        version = self._version()
         lines = []
         for d in got:
-            verdict = self.filter(d.event, version=version)
+            at = d.event.policy_version if version is None else version
+            verdict = self.filter(d.event, version=at)
             rec = record(
                 d.id,
                 d.event,
                 decode_text=self._text,
                 verdict=verdict.reason or "accepted",
                 advantages=trained_advantages(d.event, verdict, self.advantage),
-                verdict_version=version,
+                verdict_version=at,
             )
             lines.append(json.dumps(rec, ensure_ascii=False))
         self.writer.write(lines)
+
+    def _version(self) -> int | None:
+        """The current policy version, for the verdicts; None (verdicts without staleness) when
+        the version key holds something else: the archive is a record, never a reason to stop."""
+        try:
+            return parse_int(self.client.get(self.keys.version), self.keys.version, default=0)
+        except DataError as e:
+            if str(e) != self._bad_version:
+                log.warning("archiving without staleness verdicts: %s", e)
+                self._bad_version = str(e)
+            return None
 
     def _text(self, ids: list[int]) -> str:
         try:

@@ -176,16 +176,16 @@ class Exporter:
                 block = min(max(next_health - time.monotonic(), 0.05), self.cfg.bus.block_seconds, 1.0)
                 self.consume(block)
                 self.alive_at, backoff = time.monotonic(), 0.1
+            except TRANSIENT as e:  # first: CLUSTERDOWN is a ResponseError too
+                log.warning("server unavailable (%s); retrying in %.1fs", e, backoff)
+                self.health_ok = False
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
             except redis.exceptions.ResponseError as e:
                 if "NOGROUP" not in str(e):
                     raise
                 log.warning("metrics stream or group vanished (run reset?): replaying from scratch")
                 self.consumer = None
-            except TRANSIENT as e:
-                log.warning("server unavailable (%s); retrying in %.1fs", e, backoff)
-                self.health_ok = False
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
 
     def healthy(self) -> bool:
         stale_after = max(10.0, 3 * self.cfg.bus.block_seconds, 2 * self.cfg.metrics.health_interval)

@@ -54,6 +54,7 @@ from streamer.admission import Admission
 from streamer.bus import Consumer, Delivery, id_le, parse_id, trim_acked
 from streamer.config import BusSection
 from streamer.connection import retrying
+from streamer.errors import StreamerError
 from streamer.keys import TRAINER_GROUP, Keys
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Feeder:
         block_seconds: float = 0.5,
         staleness: Callable[[TrajectoryGroup], int] | None = None,
         trim_lag: dict[str, int] | None = None,
+        fence=None,
     ):
         self.consumer = Consumer(
             client,
@@ -110,6 +112,7 @@ class Feeder:
             cfg=bus,
             validate=validate,
             on_gone=lambda ids: retrying(lambda: admission.release(ids), what="releasing admission slots"),
+            fence=fence,  # the trainer's lease: no acknowledgement once another trainer took the run
         )
         self.admission, self.filter = admission, group_filter
         self.groups_per_step, self.collate, self.version = groups_per_step, collate, version
@@ -180,6 +183,8 @@ class Feeder:
         """The next collated batch, or None after ``timeout``; re-raises the thread's error."""
         with self._cond:
             self._cond.wait_for(lambda: self._ready is not None or self._error is not None, timeout)
+            if isinstance(self._error, StreamerError):  # a clear reason: the CLI's one line
+                raise self._error
             if self._error is not None:
                 raise RuntimeError("trajectory feed failed") from self._error
             ready, self._ready = self._ready, None
@@ -285,7 +290,10 @@ class Feeder:
                 else:
                     self._pull()
         except BaseException as e:  # surfaced to the step loop by next()
-            log.exception("trajectory feed failed")
+            if isinstance(e, StreamerError):
+                log.error("trajectory feed stopped: %s", e)
+            else:
+                log.exception("trajectory feed failed")
             with self._cond:
                 self._error = e
                 self._cond.notify_all()

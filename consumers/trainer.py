@@ -49,7 +49,8 @@ from streamer.config import RunConfig
 from streamer.connection import connect, retrying
 from streamer.errors import StreamerError
 from streamer.keys import ARCHIVE_GROUP, Keys
-from streamer.values import parse_int
+from streamer.trainer_lease import TrainerLease, record_checkpoint, refuse_a_lost_checkpoint
+from streamer.values import check_types, parse_int
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +73,22 @@ class Trainer:
         name: str = CONSUMER_NAME,
         group_filter: GroupFilter | None = None,
         dp: DataParallel | None = None,
+        from_initial_weights: bool = False,
+        lease: TrainerLease | None = None,
     ):
         self.cfg, self.trainer_cfg, self.client, self.keys = cfg, cfg.trainer, client, keys
         self.learner, self.stop, self.name = learner, stop, name
         self.dp = dp  # under torchrun: this is rank 0, the other ranks follow its batches
+        # no checkpoint although the server records one: start from the initial weights anyway
+        self.from_initial_weights = from_initial_weights
         self.group_filter = group_filter or GroupFilter.from_config(self.trainer_cfg)  # before any write
+        self.lease = lease  # the run's trainer lease: every ack and version write checks its fence
         self.admission = Admission(
             client,
             keys,
             max_staleness=self.trainer_cfg.max_staleness,
             groups_per_step=self.trainer_cfg.groups_per_step,
+            fence=lease,
         )
         self.version = 0
         self.parent: str | None = None  # the newest checkpoint
@@ -103,6 +110,7 @@ class Trainer:
             # in the dtype samplers load (float32 master weights, half-precision samplers)
             dtype=None if cfg.model.dtype == "float32" else getattr(torch, cfg.model.dtype),
             untie=cfg.untied_versions,
+            fence=lease,
         )
 
     @property
@@ -112,6 +120,7 @@ class Trainer:
     # ------------------------------------------------------------ start
 
     def start(self) -> None:
+        check_types(self.client, self.keys.types())  # a key of the wrong type: one line, now
         self._restore()
         self._check_server_state()
         if (queued := position.recover(self.client, self.keys, self.data_position)) is not None:
@@ -146,10 +155,13 @@ class Trainer:
             high_water=self.high_water,
             pin_memory=self.learner.device.type == "cuda",
             block_seconds=min(self.cfg.bus.block_seconds, 0.5),
+            fence=self.lease,
         ).start()
 
     def _restore(self) -> None:
         found = checkpoint.latest(self.cfg.checkpoint_dir)
+        if found is None and not self.from_initial_weights:  # another data dir, or deleted
+            refuse_a_lost_checkpoint(self.client, self.keys, self.cfg.checkpoint_dir)
         if self.dp:  # every rank restores the same checkpoint (the data dir is shared)
             self.dp.send_restore("" if found is None else str(found[0]))
         if found is None:
@@ -215,13 +227,17 @@ class Trainer:
         try:
             retrying(self.start, what="starting the trainer")  # a restart mid-start: again, a new version
             try:
-                for ready in self.feed.batches(until=lambda: self.stop.is_set() or self._done()):
+                for ready in self.feed.batches(
+                    until=lambda: self.stop.is_set() or self._done() or self._fenced()
+                ):
                     self._step(ready)
             finally:
                 if self.feed is not None:
                     self.feed.stop()
                 if self.dp:
                     self.dp.send_stop()
+            if self._fenced():  # another trainer has the run: no final checkpoint, no ack
+                raise self.lease.fenced()
             # stopping: a server that went away with us (our supervisor died) is not waited
             # for forever; the checkpoint on disk is the resume point whether acks land or not
             self.versions.give_up_after = self.give_up_after = STOP_SERVER_WAIT
@@ -234,6 +250,9 @@ class Trainer:
             raise
         log.info("stopped at step %d, version %d", self.step, self.version)
         return 0
+
+    def _fenced(self) -> bool:
+        return self.lease is not None and self.lease.lost.is_set()
 
     def _done(self) -> bool:
         return self.trainer_cfg.steps > 0 and self.step >= self.trainer_cfg.steps
@@ -333,6 +352,11 @@ class Trainer:
         )
         self.parent, self.checkpointed_version = meta.name, meta.version
         self.feed.checkpointed(covered, give_up_after=self.give_up_after)
+        retrying(  # a trainer that finds no checkpoint knows whether the run has one
+            lambda: record_checkpoint(self.client, self.keys, meta.name),
+            what="recording the checkpoint",
+            give_up_after=self.give_up_after,
+        )
         checkpoint.prune(self.cfg.checkpoint_dir, self.trainer_cfg.keep_checkpoints)
         n = len(covered.entry_ids)
         log.info("checkpoint %s covers %d groups (high-water %s)", meta.name, n, meta.high_water)
@@ -404,15 +428,30 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
         keys = Keys(cfg.run.name)
         # one trainer per run: a second one would prune the first one's files (one line, exit 1)
         lock = rundir.trainer_lock(rundir.mark_run(cfg.run_dir)).acquire()
+        # ... and on the server: one with another data dir is refused too (streamer.trainer_lease)
+        lease = TrainerLease.of_run_dir(client, keys, cfg.run_dir)
         try:
+            retrying(lease.acquire, what="taking the run's trainer lease")
+            lease.start_renewing()
             learner = build_learner(cfg, dp)
             log.info("trainer for run %s on %s", cfg.run.name, learner.device)
-            trainer = Trainer(cfg, client, keys, learner, stop=stop, group_filter=group_filter, dp=dp)
+            trainer = Trainer(
+                cfg,
+                client,
+                keys,
+                learner,
+                stop=stop,
+                group_filter=group_filter,
+                dp=dp,
+                from_initial_weights=getattr(args, "from_initial_weights", False),
+                lease=lease,
+            )
             code = trainer.run()
             if dp is not None:  # the followers were told to stop: leave together
                 dp.close(clean=True)
             return code
         finally:
+            lease.give_back()
             lock.release()
     finally:
         lifecycle.restore_signals(previous)

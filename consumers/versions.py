@@ -39,7 +39,13 @@ log = logging.getLogger(__name__)
 # a timeout; so does `retrying`). 1 = added, 0 = already there. The stream keeps about the
 # last POLICY_KEEP versions (or keep_versions, if more): readers want the newest (a late one
 # reads only that), the trainer enough history for staleness after a restore.
+# With a third key (the trainer's fence, streamer.trainer_lease) and its token as ARGV[5]:
+# -1, having written nothing, when another trainer took the run since.
 ANNOUNCE = """
+if #KEYS == 3 then
+  local fence = redis.call('GET', KEYS[3])
+  if fence and fence ~= ARGV[5] then return -1 end
+end
 local current = tonumber(redis.call('GET', KEYS[2]) or '-1')
 if current >= tonumber(ARGV[3]) and redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
@@ -96,9 +102,11 @@ class VersionPublisher:
         bus: BusSection | None = None,
         dtype=None,
         untie: bool = False,
+        fence=None,
     ):
         self.client, self.keys, self.root = client, keys, Path(root)
         self.dtype, self.untie = dtype, untie  # written as the samplers load them (weights.save)
+        self.fence = fence  # the trainer's lease: an announcement checks its fencing token
         self.bus = bus or BusSection()
         self.keep_versions, self.protect = keep_versions, protect
         self.last_seconds = 0.0  # write + publish time of the newest published version
@@ -185,9 +193,12 @@ class VersionPublisher:
         keep = max(self.keep_versions, POLICY_KEEP)
 
         def announce() -> int:
-            added = self._announce(
-                keys=[self.keys.policy, self.keys.version], args=[FIELD, payload, version, keep]
-            )
+            keys, args = [self.keys.policy, self.keys.version], [FIELD, payload, version, keep]
+            if self.fence is not None:
+                keys, args = [*keys, self.fence.key], [*args, self.fence.token]
+            added = self._announce(keys=keys, args=args)
+            if added < 0:
+                raise self.fence.fenced()
             # with bus.min_replicas: on a replica before anyone acts on it (a master that died
             # with it unreplicated would let a restarted trainer announce it again, other
             # weights under the same number); if that master dies meanwhile, the retry

@@ -41,7 +41,7 @@ from producers.inflight import WeightGate, blocking, retrying
 from producers.samplers import SamplerError
 from producers.stats import Pending, Timings, episode_values, group_values
 from schemas import MetricsEvent, TrajectoryGroup, encode
-from streamer import lifecycle, problems
+from streamer import connection, lifecycle, problems
 from streamer.admission import EXHAUSTED, WAIT, Admission, LeaseLost, Leases
 from streamer.batching import MicroBatcher
 from streamer.bus import Publisher, unacked
@@ -51,7 +51,7 @@ from streamer.errors import StreamerError, WeightsError
 from streamer.keys import Keys
 from streamer.rollout_types import DEFAULT_ROLLOUT, Completion, Episode, RolloutContext, Task
 from streamer.trajectory import PrefixMismatch
-from streamer.values import parse_int
+from streamer.values import check_types, parse_int
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,8 @@ class Producer:
         try:
             anyio.run(self._run)
         except BaseExceptionGroup as group:  # a worker's clear error: one line, not a group
-            if isinstance(leaf := _first_leaf(group), StreamerError):
+            # a key overwritten with another type while running: the CLI's one line too
+            if isinstance(leaf := _first_leaf(group), (StreamerError, redis.exceptions.ResponseError)):
                 raise leaf from group
             raise
         finally:
@@ -547,6 +548,10 @@ def main(cfg: RunConfig, args) -> int:
     producer_id = getattr(args, "id", None) or f"{socket.gethostname()}-{os.getpid()}"
     client = connect(
         cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name=f"producer-{producer_id}"
+    )
+    # a key of the wrong type (a string where the run keeps a stream): one line, now
+    connection.retrying(
+        lambda: check_types(client, Keys(cfg.run.name).types()), what="checking the run's keys"
     )
     task, sampler = build(cfg)
     producer = Producer(cfg, client=client, producer_id=producer_id, task=task, sampler=sampler)

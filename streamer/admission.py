@@ -72,6 +72,7 @@ from typing import NamedTuple
 import redis
 
 from streamer.bus import FIELD, as_str
+from streamer.connection import TRANSIENT
 from streamer.errors import LeaseLost
 from streamer.keys import Keys
 from streamer.values import DataError
@@ -212,14 +213,22 @@ end
 return 0
 """
 
-# KEYS: held admitted traj rejected ; ARGV: group ('' = no ack), trained ('1': clear the
-# rejection counts), then (entry id, reason ('' = not rejected)) pairs. Returns the slots given
-# back. With a group the entries are acknowledged by it in the same script: a script, not a
-# MULTI with EVALSHA in it, because a cluster client refuses scripts inside a pipeline.
+# KEYS: held admitted traj rejected [fence] ; ARGV: group ('' = no ack), trained ('1': clear
+# the rejection counts), then (entry id, reason ('' = not rejected)) pairs [, then the
+# trainer's fencing token]. Returns the slots given back; -1, having done nothing, when the
+# trainer's run was taken over (streamer.trainer_lease). With a group the entries are
+# acknowledged by it in the same script: a script, not a MULTI with EVALSHA in it, because a
+# cluster client refuses scripts inside a pipeline.
 _RELEASE = """
+local last = #ARGV
+if #KEYS == 5 then
+  local fence = redis.call('GET', KEYS[5])
+  if fence and fence ~= ARGV[last] then return -1 end
+  last = last - 1
+end
 local n = 0
 if ARGV[2] == '1' then redis.call('DEL', KEYS[4]) end
-for i = 3, #ARGV, 2 do
+for i = 3, last, 2 do
   if ARGV[1] ~= '' then redis.call('XACK', KEYS[3], ARGV[1], ARGV[i]) end
   if ARGV[i + 1] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[i + 1], 1) end
   if redis.call('SREM', KEYS[1], ARGV[i]) == 1 then n = n + 1 end
@@ -265,8 +274,11 @@ return n
 
 
 class Admission:
-    def __init__(self, client: redis.Redis, keys: Keys, *, max_staleness: int, groups_per_step: int):
+    def __init__(
+        self, client: redis.Redis, keys: Keys, *, max_staleness: int, groups_per_step: int, fence=None
+    ):
         self.client, self.keys = client, keys
+        self.fence = fence  # the trainer's lease: its releases and acks check its fencing token
         self.defaults = (max_staleness, groups_per_step)
         self._script = client.register_script(_ADMIT)
         self._release = client.register_script(_RELEASE)
@@ -282,6 +294,8 @@ class Admission:
             keys, args = keys + [self.keys.lease_owner, self.keys.lease_slots], args + [ticket, owner]
         try:
             granted = int(self._script(keys=keys, args=args))
+        except TRANSIENT:  # a cluster that is down answers CLUSTERDOWN, a ResponseError too
+            raise
         except redis.exceptions.ResponseError as e:  # a counter or limit that is not a number
             raise DataError(f"admission: {e}") from None
         if granted < 0:
@@ -321,8 +335,14 @@ class Admission:
         if not pairs and not trained:
             return 0
         k = self.keys
+        keys = [k.held_slots, k.admitted, k.traj, k.rejected_since_step]
         args = [group, "1" if trained else "0", *(x for pair in pairs for x in pair)]
-        return int(self._release(keys=[k.held_slots, k.admitted, k.traj, k.rejected_since_step], args=args))
+        if self.fence is not None:
+            keys, args = [*keys, self.fence.key], [*args, self.fence.token]
+        released = int(self._release(keys=keys, args=args))
+        if released < 0:
+            raise self.fence.fenced()
+        return released
 
     def reconcile(self, group: str) -> int:
         """Drop slots of entries that are gone or acknowledged by ``group``; recount. In flight."""
@@ -410,6 +430,8 @@ class Leases:
                 ],
                 args=[ticket, self.owner, FIELD, payload],
             )
+        except TRANSIENT:
+            raise
         except redis.exceptions.ResponseError as e:  # checked before anything is written
             raise DataError(f"publishing: {e}") from None
         if reply is None:

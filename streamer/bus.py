@@ -79,6 +79,8 @@ def unacked(client: redis.Redis, stream: str, group: str = TRAINER_GROUP) -> int
     """Entries of ``stream`` that ``group`` has not acknowledged (pending + never read)."""
     try:
         groups = client.xinfo_groups(stream)
+    except TRANSIENT:  # a cluster that is down is not "no stream": no room known, the caller waits
+        raise
     except redis.exceptions.ResponseError:  # no such stream yet
         return 0
     for g in groups:
@@ -165,8 +167,11 @@ class Consumer(Generic[T]):
         start_id: str = "0",
         validate: Callable[[T], str | None] | None = None,
         on_gone: Callable[[list[str]], None] | None = None,
+        fence=None,
     ):
         self.client, self.keys, self.stream, self.group, self.name = client, keys, stream, group, name
+        # the trainer's lease (streamer.trainer_lease): every ack checks its fencing token
+        self.fence = fence
         self.as_type, self.cfg = as_type, cfg
         self.validate = validate  # event -> reason it is unusable (dead-lettered), or None
         # entry ids: entries this consumer will never deliver (dead-lettered,
@@ -220,6 +225,8 @@ class Consumer(Generic[T]):
 
     def ack(self, ids: Iterable[str]) -> int:
         ids = list(ids)
+        if ids and self.fence is not None:
+            return self.fence.ack(self.stream, self.group, ids)
         return int(self.client.xack(self.stream, self.group, *ids)) if ids else 0
 
     def ack_pending(self, up_to: str) -> int:
@@ -306,8 +313,11 @@ class Consumer(Generic[T]):
                 consumer=f"{self.group}/{self.name}",
             )
             pipe.xadd(self.keys.dead, entry(letter), maxlen=DEAD_MAXLEN, approximate=True)
-            pipe.xack(self.stream, self.group, entry_id)
+            if self.fence is None:
+                pipe.xack(self.stream, self.group, entry_id)
         pipe.execute()
+        if self.fence is not None:  # fenced: a letter may be written twice, never acked by a stale owner
+            self.ack([entry_id for entry_id, _, _ in dead])
         self._gone([entry_id for entry_id, _, _ in dead])
         self.dead_lettered += len(dead)
 
@@ -322,6 +332,8 @@ def trim_acked(client: redis.Redis, stream: str, *, max_lag: dict[str, int] | No
     """
     try:
         groups = client.xinfo_groups(stream)
+    except TRANSIENT:
+        raise
     except redis.exceptions.ResponseError:
         return 0
     if not groups:

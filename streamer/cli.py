@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = role("up", "run everything on one machine (embedded server unless --redis-url)")
     up.add_argument("--steps", type=int, help="trainer steps to run (default: the demo's)")
-    up.add_argument("--producers", type=int, default=2, help="producer processes")
+    up.add_argument("--producers", type=_positive, default=2, help="producer processes (at least 1)")
     up.add_argument("--fresh", action="store_true", help="discard the previous run's state")
     up.add_argument("--no-progress", action="store_true", help="no live progress view")
     up.add_argument(
@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr = role("train", "the trainer consumer")
     tr.add_argument("--steps", type=int, help="override trainer.steps")
     tr.add_argument("--nproc", type=int, default=1, help="data-parallel ranks on this machine (via torchrun)")
+    tr.add_argument(
+        "--from-initial-weights",
+        action="store_true",
+        help="train from the initial weights even though the server records a checkpoint of the run",
+    )
     pr = role("produce", "a rollout producer")
     pr.add_argument("--id", help="producer id (default: host-pid)")
     pr.add_argument("--max-groups", type=int, help="override producer.max_groups")
@@ -91,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     cd.add_argument("--write", metavar="FILE", help="update the reference between FILE's markers")
     cd.add_argument("--check", metavar="FILE", help="exit 1 when FILE's reference is stale")
     return p
+
+
+def _positive(text: str) -> int:
+    """An argument that counts something there must be at least one of."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1 (nothing would produce rollouts)")
+    return value
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:

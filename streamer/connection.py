@@ -21,12 +21,20 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MIN_SERVER = (6, 2)  # XAUTOCLAIM
-# errors a retry can outlive: the server restarting, a cluster electing a new master for a slot
+# errors a retry can outlive: the server restarting, a cluster electing a new master for a slot,
+# a cluster that is down (CLUSTERDOWN, MASTERDOWN: a node stopped answering, so a slot is not
+# served) or whose topology the client cannot read now. ClusterDownError is also a
+# ResponseError: a handler of ResponseError (a bad value, a wrong type) must let these through
+# first (``except TRANSIENT: raise``), or a cluster's blip ends a role.
 TRANSIENT = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
-    redis.exceptions.ClusterDownError,
+    redis.exceptions.ClusterDownError,  # MasterDownError too
     redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+    # a topology refresh that reached no node (not in every redis-py: the base class's
+    # other uses are mistakes of the caller, so only this one)
+    *[e for e in [getattr(redis.exceptions, "RedisClusterUnreachableError", None)] if e is not None],
 )
 # a cluster seed node: redis-py's cluster client discovers the rest (every key of a run is
 # hash-tagged onto one slot, see streamer.keys)

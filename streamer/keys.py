@@ -133,8 +133,41 @@ class Keys:
         return self._k("replicated")  # INT: written (INCR) just before a WAIT, see connection.replicated
 
     @property
+    def trainer_lease(self) -> str:
+        return self._k("trainer_lease")  # HASH owner fence holder, expiring: who trains the run
+
+    @property
+    def trainer_fence(self) -> str:
+        return self._k("trainer_fence")  # INCR per lease taken: checked by every ack and version write
+
+    @property
+    def replayed(self) -> str:
+        return self._k("replayed")  # HASH dead-letter id -> the entry id it was re-published as
+
+    @property
     def run_marker(self) -> str:
-        return self._k("run")  # HASH created_at trainer [data_lost_at resumed_from]; gone = data lost
+        # HASH created_at trainer checkpoint (the newest one's name) [data_lost_at resumed_from];
+        # gone = data lost
+        return self._k("run")
+
+    def types(self) -> dict[str, str]:
+        """Every fixed key of the run and its Redis type (as TYPE names it), for the roles'
+        start-up check: a key of another type is one clear line, not a WRONGTYPE later."""
+        kinds = {
+            "stream": (self.traj, self.policy, self.metrics, self.dead),
+            "string": (
+                *(self.cursor, self.admitted, self.version, self.rollout_step),
+                *(self.replicated, self.trainer_fence),
+            ),
+            "hash": (
+                *(self.lease_owner, self.row_attempts, self.row_errors, self.skipped_rows),
+                *(self.limits, self.rejected_since_step, self.run_marker, self.replayed, self.trainer_lease),
+            ),
+            "set": (self.lease_slots, self.held_slots),
+            "zset": (self.leases, self.producers),
+            "list": (self.requeue,),
+        }
+        return {key: kind for kind, names in kinds.items() for key in names}
 
     def all_keys_pattern(self) -> str:
         return f"{self.prefix}:*"

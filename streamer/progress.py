@@ -23,6 +23,7 @@ from streamer.bus import Tail, unacked
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect
 from streamer.keys import Keys
+from streamer.values import DataError, parse_int
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class Progress:
         self._rate: deque[tuple[float, int]] = deque(maxlen=30)
         self._last_print = 0.0
         self._down = False  # the server did not answer the last tick
+        self._bad_version = False  # the version key held no number (logged once)
         self.started = time.monotonic() if started is None else started  # `up` began
         self.reached: dict[str, float] = {}  # "reward"/"eval" -> seconds to reach THRESHOLD
 
@@ -65,8 +67,15 @@ class Progress:
     def groups(self) -> int:
         return self.history.groups
 
-    def version(self) -> int:
-        return int(self.client.get(self.keys.version) or 0)
+    def version(self) -> int | None:
+        """The current policy version; None (logged once) when the version key holds no number."""
+        try:
+            return parse_int(self.client.get(self.keys.version), self.keys.version, default=0)
+        except DataError as e:
+            if not self._bad_version:
+                log.warning("progress: %s", e)
+            self._bad_version = True
+            return None
 
     def update(self) -> None:
         h = self.history
@@ -98,7 +107,7 @@ class Progress:
         acc = "-" if self.eval_acc is None else f"{self.eval_acc:.2f} (v{self.eval_step})"
         target = f"/{self.target_steps}" if self.target_steps else ""
         return (
-            f"version {self.version():>4}  step {self.train_step:>4}{target}  "
+            f"version {_v(self.version()):>4}  step {self.train_step:>4}{target}  "
             f"reward {'-' if reward is None else f'{reward:.2f}'}  eval acc {acc}  "
             f"{self.groups_per_second():5.1f} groups/s  lag {unacked(self.client, self.keys.traj)}"
         )
@@ -137,7 +146,7 @@ class Progress:
             "",
             "streamer up: summary",
             f"  steps trained      {self.train_step}",
-            f"  policy version     {self.version()}",
+            f"  policy version     {_v(self.version())}",
             f"  rollout reward     {_f(first)} -> {_f(reward)} (mean of the first/last {WINDOW} groups)",
             f"  eval accuracy      {_f(self.eval_acc)} (version {self.eval_step})",
             *self._other_sets(),
@@ -178,6 +187,10 @@ class Progress:
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=1))
+
+
+def _v(version: int | None) -> str:
+    return "?" if version is None else str(version)
 
 
 def _t(x: float | None) -> str:

@@ -4,7 +4,8 @@
 prints recent groups as text: prompt, then each completion with its reward, advantage and
 version. ``--min-reward R`` keeps completions with reward >= R; ``--follow`` keeps printing
 groups as the archiver writes them. ``dead`` lists the run's dead letters with their
-reasons, and ``--replay ID`` re-publishes one to the stream it came from (after a fix).
+reasons, and ``--replay ID`` re-publishes one (named by its full id) to the stream it came
+from, after a fix: once, however often it is asked.
 A run that does not exist is one line and exit 2.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import sys
 import time
 import zlib
@@ -27,6 +29,18 @@ from streamer.connection import connect, redact
 from streamer.keys import Keys
 
 FOLLOW_POLL = 1.0
+ENTRY_ID = re.compile(r"^\d+-\d+\Z")
+# KEYS: replayed, the stream it came from, dead ; ARGV: dead-letter id, field, payload.
+# Re-publishes at most once per dead letter, whoever runs it how often: {1, new id} done now,
+# {0, new id} done before, {-1, ''} no such dead letter.
+REPLAY = """
+local before = redis.call('HGET', KEYS[1], ARGV[1])
+if before then return {0, before} end
+if #redis.call('XRANGE', KEYS[3], ARGV[1], ARGV[1]) == 0 then return {-1, ''} end
+local id = redis.call('XADD', KEYS[2], '*', ARGV[2], ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], id)
+return {1, id}
+"""
 
 
 def read_lines(path: Path, skip: int = 0) -> list[str]:
@@ -132,6 +146,14 @@ def dead_main(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def _replay(client, keys: Keys, dead_id: str) -> int:
+    """Re-publish one dead letter, named by its full entry id, at most once ever."""
+    if not ENTRY_ID.match(dead_id):  # XRANGE reads "1234" as every entry of that millisecond
+        print(
+            f"streamer dead: --replay needs a full dead-letter id such as 1700000000000-0, as "
+            f"`streamer dead` lists them, not {dead_id!r}",
+            file=sys.stderr,
+        )
+        return 2
     rows = client.xrange(keys.dead, min=dead_id, max=dead_id)
     if not rows:
         print(f"streamer dead: no dead letter {dead_id!r} in {keys.dead}", file=sys.stderr)
@@ -140,6 +162,14 @@ def _replay(client, keys: Keys, dead_id: str) -> int:
     if not d.stream.startswith(keys.prefix + ":"):
         print(f"streamer dead: {dead_id} came from {d.stream!r}, not a stream of this run", file=sys.stderr)
         return 2
-    new_id = as_str(client.xadd(d.stream, {FIELD: d.raw}))
-    print(f"re-published dead letter {dead_id} to {d.stream} as {new_id}")
+    done, new_id = client.register_script(REPLAY)(
+        keys=[keys.replayed, d.stream, keys.dead], args=[dead_id, FIELD, d.raw]
+    )
+    if int(done) < 0:
+        print(f"streamer dead: dead letter {dead_id} was deleted meanwhile", file=sys.stderr)
+        return 2
+    if int(done) == 0:
+        print(f"dead letter {dead_id} was re-published before, as {as_str(new_id)}; not again")
+        return 0
+    print(f"re-published dead letter {dead_id} to {d.stream} as {as_str(new_id)}")
     return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 from streamer.disk import writing
@@ -25,6 +26,7 @@ RUN_MARKER = ".streamer-run"  # {data_dir}/{run}/: created by streamer for this 
 SERVER_MARKER = ".streamer-server"  # {data_dir}/valkey/: the embedded server's data
 SERVER_LOCK = ".server.lock"
 TRAINER_LOCK = ".trainer.lock"
+TRAINER_ID = ".trainer-id"  # the owner token of the run's trainer lease (streamer.trainer_lease)
 # what Streamer writes inside a run directory (anything else is the user's and is kept)
 ENGINE_MODEL = "engine-model"  # `up --engine`: the demo model the engine serves
 ENGINE_CONFIG = "engine.toml"  # `up --engine`: the run config with the engine's settings
@@ -36,6 +38,7 @@ RUN_ENTRIES = (
     ENGINE_MODEL,
     ENGINE_CONFIG,
     TRAINER_LOCK,
+    TRAINER_ID,
     RUN_MARKER,
 )
 
@@ -133,6 +136,22 @@ def server_lock(data_dir: Path) -> FileLock:
 
 def trainer_lock(run_dir: Path) -> FileLock:
     return FileLock(Path(run_dir) / TRAINER_LOCK, f"run {Path(run_dir).name} in {Path(run_dir).parent}")
+
+
+def trainer_id(run_dir: Path) -> str:
+    """The token that identifies this run directory's trainer to the server (created once):
+    the same trainer restarted finds its lease again, one with another data dir does not."""
+    path = Path(run_dir) / TRAINER_ID
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    token = uuid.uuid4().hex
+    with writing(f"the trainer id {path}", path.parent):
+        tmp = path.with_name(f".{TRAINER_ID}.{os.getpid()}")
+        tmp.write_text(token + "\n")
+        os.replace(tmp, path)  # the trainer lock is held: nobody else writes it meanwhile
+    return token
 
 
 def check_free(lock: FileLock) -> None:

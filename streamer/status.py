@@ -26,7 +26,7 @@ from streamer import problems
 from streamer.admission import admission_limit
 from streamer.bus import as_str, entry_event, group_lag
 from streamer.config import RunConfig
-from streamer.connection import connect, redact
+from streamer.connection import TRANSIENT, connect, redact
 from streamer.keys import TRAINER_GROUP, Keys
 from streamer.values import DataError, parse_int
 
@@ -153,6 +153,8 @@ def snapshot(
         *(keys.skipped_rows, keys.skipped_rows, keys.problems),
     ]
     for key, r in zip(read, res):
+        if isinstance(r, TRANSIENT):  # the server (a cluster) is down, not the key bad
+            raise r
         if isinstance(r, Exception) and not _missing(r):
             raise DataError(f"{key} cannot be read ({r}); fix or delete it (`DEL {key}`)")
     streams = [

@@ -314,7 +314,7 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
         )
         code = _supervise(stack, progress, stop_requested, until_eval=args.until_eval)
         if code == 0 and not stop_requested.is_set() and not progress.reached_eval(args.until_eval):
-            final = progress.version()  # the evaluator scores every eval_every-th version
+            final = progress.version() or 0  # the evaluator scores every eval_every-th version
             final -= final % cfg.eval.eval_every
             progress.wait_for_eval(final, FINAL_EVAL_WAIT, stop_requested)
     finally:

@@ -26,3 +26,17 @@ def parse_int(raw, key: str, *, default: int | None = None, minimum: int | None 
     if minimum is not None and value < minimum:
         raise DataError(f"{key} holds {value}, below {minimum}; fix or delete the key (`DEL {key}`)")
     return value
+
+
+def check_types(client, types: dict[str, str]) -> None:
+    """DataError naming the first key (of ``types``: key -> Redis type) that exists with
+    another type, e.g. a string written where the run keeps a stream."""
+    pipe = client.pipeline(transaction=False)
+    for key in types:
+        pipe.type(key)
+    for (key, want), got in zip(types.items(), pipe.execute()):
+        got = got.decode() if isinstance(got, bytes) else str(got)
+        if got not in ("none", want):
+            raise DataError(
+                f"{key} is a {got}, where this run keeps a {want}; fix or delete the key (`DEL {key}`)"
+            )
