@@ -221,7 +221,9 @@ def test_judge_that_fails_is_an_outage_the_row_goes_back_uncounted(
         p.stop.set()  # no outage backoff in the test
         assert p.step() == "error"
     if failure != "unreachable":
-        assert len(judge.requests) == 2 * 2, "each of the G requests, retried once"
+        # the G requests start at once; the first to give up (after its one retry) cancels
+        # the others, wherever they are: between G + 1 and 2 G requests reach the judge
+        assert 2 + 1 <= len(judge.requests) <= 2 * 2, judge.requests
     assert client.hlen(keys.row_attempts) == 0, "an outage is not one of the row's attempts"
     assert client.lrange(keys.requeue, 0, -1) == [b"0"] and client.xlen(keys.traj) == 0
 
