@@ -164,11 +164,12 @@ class NoisyBackend:
         self.release.set()
 
     def __call__(self, body: dict) -> list[Completion]:
+        probe = "n" not in body  # a producer's readiness probe (one token, no n): never held
         with self.lock:
-            hold = self.free <= 0
+            hold = self.free <= 0 and not probe
             if hold:
                 self.held.append(body.get("seed"))
-            else:
+            elif not probe:
                 self.free -= 1
         if hold:
             self.release.wait()
