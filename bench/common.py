@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -113,6 +114,43 @@ class Stopwatch:
         self.cpu = time.process_time() - self._c0
         self.server = server_cpu(self.client) - self._s0
         return self
+
+
+class RoundTrips:
+    """Round trips a client makes to its server, counted where redis-py sends them: a command,
+    a pipeline or a script call (EVALSHA) is one each. Not counted: a new connection's
+    handshake (CLIENT SETNAME ...) and health-check PINGs (after 30 s idle), and threads
+    whose name starts with one of ``exclude`` (the producer's heartbeat): they happen per
+    connection, per idle spell and per 2 s, not per group."""
+
+    def __init__(self, client, *, exclude: tuple[str, ...] = ("heartbeat-",)):
+        self.count, self.exclude = 0, exclude
+        counter = self
+        pool = client.connection_pool
+
+        class Counted(pool.connection_class):
+            handshake = False
+
+            def connect_check_health(self, *args, **kwargs):
+                return self._quietly(super().connect_check_health, *args, **kwargs)
+
+            def check_health(self):
+                return self._quietly(super().check_health)
+
+            def _quietly(self, fn, *args, **kwargs):
+                self.handshake, before = True, self.handshake
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.handshake = before
+
+            def send_packed_command(self, command, check_health=True):
+                if not self.handshake and not threading.current_thread().name.startswith(counter.exclude):
+                    counter.count += 1
+                return super().send_packed_command(command, check_health)
+
+        pool.reset()  # every connection from now on is a counted one
+        pool.connection_class = Counted
 
 
 def bench_client(url: str):
@@ -230,12 +268,16 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
     sys.stdout.flush()
 
 
-def print_ratios(ratios: dict[str, float], *, goals: dict[str, str] | None = None) -> None:
-    """The final line every benchmark prints: ``ratios: name=1.23x (goal >= 0.90: met) ...``."""
+def print_ratios(
+    ratios: dict[str, float], *, goals: dict[str, str] | None = None, counts: dict[str, float] | None = None
+) -> None:
+    """The final line every benchmark prints: ``ratios: name=1.23x (goal >= 0.90: met) ...``,
+    then ``counts`` as plain numbers (``name=2``)."""
     parts = []
-    for name, value in ratios.items():
+    for name, value in {**ratios, **(counts or {})}.items():
         goal = (goals or {}).get(name)
-        parts.append(f"{name}={value:.2f}x" + (f" ({goal})" if goal else ""))
+        text = f"{value:.2f}x" if name in ratios else f"{value:g}"
+        parts.append(f"{name}={text}" + (f" ({goal})" if goal else ""))
     print("ratios: " + "  ".join(parts), flush=True)
 
 

@@ -16,7 +16,12 @@ Four sides, alternated round by round so that load from elsewhere hits all of th
 
 No trainer runs, so no side loads weights (in a run each producer loads every version:
 bench/cpu_per_version.py counts that). CPU seconds per group, this process's and the
-server's (INFO cpu). The split:
+server's (INFO cpu); and what the producer asks of the server per group in steady state:
+round trips counted at the client (a command, a pipeline or a script call is one; the
+heartbeat thread, per 2 s rather than per group, is not counted), and the commands the
+server ran for them (INFO commandstats, commands inside scripts included). Both are the
+difference between a run of N groups and a (second) warm-up run of 20, over N - 20 groups, so
+that a run's fixed start and stop calls are left out. The split:
 
     loop around the engine     producer canned - bare canned   (Redis, thread hops, checks)
     engine call in the loop    (producer - producer canned) - (bare - bare canned)
@@ -40,6 +45,8 @@ import common as C
 from cpu_per_version import bare_samples
 
 SIDES = ("producer", "producer canned", "bare", "bare canned")
+WARM = 20  # groups of the warm-up run of each path
+CONNECTION_COMMANDS = ("info", "client|", "hello", "ping")  # per connection or the bench's own
 
 
 class Canned:
@@ -62,7 +69,8 @@ class Canned:
         pass
 
 
-def producer_side(cfg, client, task, sampler, groups: int) -> None:
+def producer_side(cfg, client, task, sampler, groups: int, trips: C.RoundTrips) -> tuple[int, dict]:
+    """Run ``groups`` groups; the round trips and server commands (by name) the run took."""
     from producers.producer import Producer
     from streamer.config import replace
     from streamer.keys import TRAINER_GROUP, Keys
@@ -72,14 +80,33 @@ def producer_side(cfg, client, task, sampler, groups: int) -> None:
     # the trainer's group, so that the room check reads it as in a run
     client.xgroup_create(Keys(run).traj, TRAINER_GROUP, id="0", mkstream=True)
     producer = Producer(cfg, client=client, producer_id="bench", task=task, sampler=sampler)
+    before, commands = trips.count, server_commands(client)
     producer.run()
+    after = server_commands(client)
     assert producer.published == groups, f"published {producer.published} of {groups}"
+    return trips.count - before, {k: after[k] - commands.get(k, 0) for k in after}
+
+
+def server_commands(client) -> dict[str, int]:
+    """Calls per command name so far (INFO commandstats), without CONNECTION_COMMANDS."""
+    stats = client.info("commandstats")
+    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
+    return {k: n for k, n in calls.items() if not k.startswith(CONNECTION_COMMANDS)}
 
 
 def bare_side(cfg, task, sampler, groups: int, seed: int) -> None:
     rng = random.Random(seed)
     for i in range(groups):
         bare_samples(task, sampler, cfg.producer, rng.choice(task.rows), seed=seed + i, version=0)
+
+
+def steady(
+    run: tuple[int, dict], warm: tuple[int, dict], extra_groups: int
+) -> tuple[float, dict[str, float]]:
+    """Round trips and commands per group of the groups ``run`` had beyond ``warm``'s."""
+    (trips, commands), (warm_trips, warm_commands) = run, warm
+    per = {k: round((v - warm_commands.get(k, 0)) / extra_groups, 2) for k, v in commands.items()}
+    return round((trips - warm_trips) / extra_groups, 2), per
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.groups, args.rounds = 30, 1
+    if args.groups <= WARM:
+        ap.error(f"--groups must be above the {WARM} of the warm-up run")
 
     import torch
 
@@ -106,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         EmbeddedServer(Path(tmp) / "valkey") as srv,
     ):
         client = C.bench_client(srv.url)
+        trips = C.RoundTrips(client)
         cfg = replace(
             demo.config(),
             run={"redis_url": srv.url, "data_dir": tmp},
@@ -117,15 +147,18 @@ def main(argv: list[str] | None = None) -> int:
         prompt = task.renderer.render(task.rows[0])
         kw = dict(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.max_new_tokens)
         canned = Canned(real, real.sample(prompt, n=p.group_size, **kw, seed=0))
-        bare_side(cfg, task, real, 20, seed=0)  # warm both paths before timing
-        producer_side(cfg, client, task, real, 20)
+        bare_side(cfg, task, real, WARM, seed=0)  # warm both paths before timing
+        producer_side(cfg, client, task, real, WARM, trips)  # also loads the scripts
+        warm_trips, warm_commands = producer_side(cfg, client, task, real, WARM, trips)
+        per_group: tuple[float, dict[str, float]] | None = None
         for r in range(args.rounds):
             for side in C.alternate(SIDES, r):
                 sampler = canned if side.endswith("canned") else real
                 watch = C.Stopwatch(client)
                 watch.start()
                 if side.startswith("producer"):
-                    producer_side(cfg, client, task, sampler, args.groups)
+                    got = producer_side(cfg, client, task, sampler, args.groups, trips)
+                    per_group = steady(got, (warm_trips, warm_commands), args.groups - WARM)
                 else:
                     bare_side(cfg, task, sampler, args.groups, seed=1000 * r)
                 watch.stop()
@@ -143,11 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     engine = (ms["producer"] - ms["producer canned"]) - (ms["bare"] - ms["bare canned"])
     print(f"the loop around the engine call: {loop:.2f} ms / group (this process and the server)")
     print(f"the engine call inside the loop, over the bare call: {engine:.2f} ms / group")
+    round_trips, commands = per_group
+    top = ", ".join(f"{k} {v:g}" for k, v in sorted(commands.items(), key=lambda kv: -kv[1]) if v)
+    print(f"round trips to the server per group (steady state): {round_trips:g}")
+    print(
+        f"server commands per group (INFO commandstats, in scripts too): {sum(commands.values()):g} ({top})"
+    )
     C.print_ratios(
         {
             "producer_vs_bare_per_group": total["producer"] / total["bare"],
             "canned_producer_vs_bare_per_group": total["producer canned"] / total["bare canned"],
-        }
+        },
+        counts={"round_trips_per_group": round_trips},
     )
     return 0
 

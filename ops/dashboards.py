@@ -187,6 +187,13 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ),
             ts("Version offset", (m(ROLL + "version_offset"), "versions behind")),
             ts(
+                "Rows (solved and unsolvable rows are set aside)",
+                (f"max({m(ROLL + 'rows_active')})", "active"),
+                (f"max({m(ROLL + 'rows_solved')})", "solved"),
+                (f"max({m(ROLL + 'rows_unsolvable')})", "unsolvable"),
+                (rate(ROLL + "rows_passed_over_total"), "passed over (/s)"),
+            ),
+            ts(
                 "Failures per second",
                 (rate(ROLL + "sample_failures_total"), "sample failures"),
                 (rate(ROLL + "groups_dropped_total"), "groups dropped"),

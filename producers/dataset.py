@@ -107,6 +107,17 @@ class Order:
         row = int(self.permutation(epoch)[i]) if self.shuffle else i
         return Position(ticket=ticket, epoch=epoch, row=row)
 
+    def window(self, start: int, n: int) -> bytes:
+        """The rows of tickets ``start`` .. ``start + n - 1``, as little-endian uint32."""
+        parts, ticket = [], max(0, start)
+        while ticket < start + n:
+            epoch, i = divmod(ticket, self.n_rows)
+            take = min(self.n_rows - i, start + n - ticket)
+            rows = self.permutation(epoch)[i : i + take] if self.shuffle else np.arange(i, i + take)
+            parts.append(rows.astype("<u4").tobytes())
+            ticket += take
+        return b"".join(parts)
+
     def total_tickets(self, epochs: int) -> int | None:
         """Tickets in ``epochs`` epochs; None when unbounded (epochs == 0)."""
         return self.n_rows * epochs if epochs > 0 else None

@@ -1,11 +1,13 @@
 """`streamer produce`: the rollout producer loop.
 
-Per row: claim it (a leased ticket) -> wait for an admission slot -> load the newest
-policy version -> run the rollout function (``producer.rollout``; the default renders,
-samples G completions and rewards each) -> check every episode -> publish one
-TrajectoryGroup (the XADD and the end of the lease in one script) -> publish a rollout
-MetricsEvent. ``producer.concurrency`` rows are in flight at once (anyio tasks), each
-with its own lease and admission slot; blocking calls run in worker threads (Redis calls
+Per row: claim it (a leased ticket) and its admission slot (waiting for one if the window
+is full) -> load the newest policy version -> run the rollout function
+(``producer.rollout``; the default renders, samples G completions and rewards each) ->
+check every episode -> publish one TrajectoryGroup with its rollout MetricsEvent (the XADDs
+and the end of the lease in one script). Two round trips per row (producers/trips.py);
+rows whose groups teach nothing are set aside (streamer/rows.py), and when none is left
+that can teach the producer stops. ``producer.concurrency`` rows are in flight at once
+(anyio tasks), each with its own lease and admission slot; blocking calls run in worker threads (Redis calls
 run on the event loop when one row at a time samples an in-process model). A group
 with fewer than ``min_group_size`` good episodes is dropped: its slot is released and
 nothing is published. A rollout that raises or outlives ``rollout_timeout`` hands its row
@@ -40,11 +42,12 @@ from producers.heartbeat import Heartbeat
 from producers.inflight import WeightGate, blocking, retrying
 from producers.samplers import SamplerError
 from producers.stats import Pending, Timings, episode_values, group_values
-from schemas import MetricsEvent, TrajectoryGroup, encode
+from producers.trips import Trips
+from schemas import MetricsEvent, TrajectoryGroup
 from streamer import connection, lifecycle, problems
-from streamer.admission import EXHAUSTED, WAIT, Admission, LeaseLost, Leases
+from streamer.admission import AGAIN, EXHAUSTED, NOTHING_TO_TEACH, WAIT, Admission, LeaseLost, Leases
 from streamer.batching import MicroBatcher
-from streamer.bus import Publisher, unacked
+from streamer.bus import Publisher
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect, replicated
 from streamer.errors import StreamerError, WeightsError
@@ -92,6 +95,9 @@ class Producer:
             lease_seconds=self.producer_cfg.lease_seconds,
             total_tickets=self.order.total_tickets(self.producer_cfg.epochs),
             max_attempts=self.producer_cfg.max_row_attempts,
+            defer_after=self.producer_cfg.defer_after,
+            revisit_probability=self.producer_cfg.revisit_probability,
+            n_rows=len(task.rows),
         )
         t = cfg.trainer
         self.admission = Admission(
@@ -116,6 +122,18 @@ class Producer:
         self._streak: list[tuple[str, int, int]] = []  # (failure, ticket, row) failed since a success
         self._who, self._problem = f"producer {producer_id}", False  # in status's problems
         self._newest = 0  # the newest policy version published, as last read
+        self.trips = Trips(
+            client,
+            self.keys,
+            leases=self.leases,
+            admission=self.admission,
+            order=self.order,
+            tail=self.follower.tail,
+            pending=self.pending,
+            publisher=self.publisher,
+            source=f"producer-{producer_id}",
+        )
+        self._nothing_to_teach = False
         self._gate: WeightGate | None = None
         self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.producer_cfg.lease_seconds / 3))
 
@@ -123,6 +141,7 @@ class Producer:
 
     def run(self) -> int:
         """Produce until done or stopped; 0 on a clean stop."""
+        self.client.set(self.keys.row_count, len(self.task.rows))  # for `streamer status`
         self._heartbeat.start()
         try:
             self.wait_for_engine()
@@ -213,8 +232,11 @@ class Producer:
                 continue
             # a server outage (restart, network) is waited out with logged backoff; the
             # row being worked on is handed back or its lease expires and it is re-issued
-            if await retrying(self._step, what=f"producer {self.id}") == "exhausted":
+            outcome = await retrying(self._step, what=f"producer {self.id}")
+            if outcome == "exhausted":
                 log.info("all %d epochs claimed and finished: done", self.producer_cfg.epochs)
+                return
+            if outcome == "nothing to teach":
                 return
 
     def step(self) -> str:
@@ -228,18 +250,25 @@ class Producer:
 
     async def _step(self) -> str:
         """One claim: "published", "dropped", "lost", "stopped", "wait", "exhausted", "error",
-        "failed" (the rollout raised or timed out; the row was handed back)."""
+        "failed" (the rollout raised or timed out; the row was handed back), "again" (claim
+        again with a new window of rows), "nothing to teach" (every row is solved)."""
         self.in_flight += 1
         try:
-            ticket = await self._redis(self.leases.claim)
+            claim = await self._redis(self.trips.claim)
+            ticket = claim.ticket
             if ticket == EXHAUSTED:
                 return "exhausted"
             if ticket == WAIT:  # open leases elsewhere may still expire and come back
                 await anyio.sleep(min(1.0, self.producer_cfg.lease_seconds / 4))
                 return "wait"
+            if ticket == AGAIN:
+                return "again"
+            if ticket == NOTHING_TO_TEACH:
+                await self._redis(self._stop_teaching)
+                return "nothing to teach"
             self.held.add(ticket)
             try:
-                outcome = await self._work(ticket)
+                outcome = await self._work(ticket, granted=claim.granted)
             except SamplerError as e:  # an attempt only if the engine refused this request
                 self._hand_back(ticket, error=f"sampler: {e}" if e.refused else "")
                 return await self._sampler_failed(e)
@@ -263,13 +292,28 @@ class Producer:
             await self._redis(problems.clear, self.client, self.keys, self._who)
         return outcome
 
-    async def _work(self, ticket: int) -> str:
+    def _stop_teaching(self) -> None:
+        """Every row is solved: say so once (log, metric) and stop sampling."""
+        if self._nothing_to_teach:
+            return
+        self._nothing_to_teach = True
+        r = self.trips.rows
+        log.info(
+            "every row is solved (%d of %d): nothing left to teach; producer stopping", r.solved, r.total
+        )
+        step = parse_int(self.client.get(self.keys.rollout_step), self.keys.rollout_step, default=0)
+        self._send_metrics(step, {"nothing_to_teach": 1.0, **self.trips.gauges()})
+
+    async def _work(self, ticket: int, *, granted: bool = False) -> str:
         pos = self.order.position(ticket)
         row = copy.deepcopy(self.task.rows[pos.row])  # a rollout that edits its row changes no later epoch
         try:  # the slot is the lease's (atomically: a retried admission takes no second one)
-            admission_wait = await self._redis(
-                self.admission.wait, self.stop.is_set, ticket=ticket, owner=self.id
-            )
+            admission_wait = 0.0
+            if not granted:
+                admission_wait = await self._redis(
+                    self.admission.wait, self.stop.is_set, ticket=ticket, owner=self.id
+                )
+                self.trips.fresh = False  # a new version may have opened the window
         except LeaseLost:
             log.warning("lease on ticket %d expired while waiting for admission", ticket)
             return "lost"
@@ -420,28 +464,27 @@ class Producer:
         return [[dataclasses.replace(c, version=version) for c in cs] for cs in out]
 
     async def _publish(self, ticket: int, group: TrajectoryGroup, *, failures, timings, extra) -> str:
-        """Room in the stream, the publish script, replicas, the metrics event: one
-        :meth:`_redis` call for them all (a thread hop costs more CPU than the round trips
-        it carries)."""
+        """The room check, the group, the row's record and its metrics event: one script
+        (:mod:`producers.trips`), in one :meth:`_redis` call with the rare waits."""
+
+        def values(waited: float) -> dict[str, float]:
+            t = Timings(timings.sample_seconds, timings.admission_wait_seconds, waited)
+            return {**group_values(group, failures=failures, current_version=0, timings=t), **extra}
 
         def publish() -> str:
-            waited = self.publisher.wait_for_room(self.stop.is_set)
-            if self.stop.is_set() and unacked(self.client, self.keys.traj) >= self.cfg.bus.max_unacked:
+            bus = self.cfg.bus
+            published = self.trips.publish(ticket, group, values, stop=self.stop, max_unacked=bus.max_unacked)
+            if published == "stopped":
                 self._hand_back(ticket)  # stopping and no room: someone else publishes it later
                 return "stopped"
-            published = self.leases.publish(ticket, encode(group))  # also the group's rollout step
             if published is None:
                 log.warning("lease on row %d (epoch %d) was lost; group discarded", group.row, group.epoch)
                 return "lost"
             # with bus.min_replicas, published means on a replica: if the master dies first, the
             # error redoes the step (the row comes back when its lease expires, if the group is gone)
-            replicated(self.client, self.keys.replicated, self.cfg.bus)
+            replicated(self.client, self.keys.replicated, bus)
             with self._counting:
                 self.published += 1
-            t = Timings(timings.sample_seconds, timings.admission_wait_seconds, waited)
-            current = parse_int(published.version, self.keys.version, default=0)
-            values = group_values(group, failures=failures, current_version=current, timings=t)
-            self._send_metrics(published.rollout_step, {**values, **extra})
             return "published"
 
         return await self._redis(publish)
@@ -489,7 +532,9 @@ class Producer:
 
     async def _follow_weights(self) -> None:
         """Load a newer version, once no engine call is in flight (see WeightGate)."""
-        sync = await self._redis(self.follower.tail.latest)
+        fresh, sync = self.trips.policy_news()  # what the claim just said: no round trip of its own
+        if not fresh:
+            sync = await self._redis(self.trips.read_policy)
         f = self.follower
         if not f.due(sync):
             return

@@ -47,6 +47,15 @@ class Pending:
             self.weight_load_seconds = None
         return out
 
+    def restore(self, drained: dict[str, float]) -> None:
+        """Put back what :meth:`drain` took (the event that was to carry it was not sent)."""
+        with self._lock:
+            for name, v in drained.items():
+                if name == "weight_load_seconds":
+                    self.weight_load_seconds = self.weight_load_seconds or v
+                else:
+                    self.counts[name] += v
+
     def __bool__(self) -> bool:
         return bool(self.counts) or self.weight_load_seconds is not None
 

@@ -86,6 +86,11 @@ ROLLOUT: dict[str, tuple[Kind, str]] = {
     ),
     "episode_seconds": ("gauge", "wall time of the group's rollout"),
     "in_flight_episodes": ("gauge", "rows in flight in the producer when the group was published"),
+    "rows_active": ("gauge", "dataset rows not set aside (they may still teach)"),
+    "rows_solved": ("gauge", "rows set aside: their last groups were all solved"),
+    "rows_unsolvable": ("gauge", "rows set aside: their last groups all failed"),
+    "rows_passed_over": ("counter", "tickets of rows set aside that claims passed over"),
+    "nothing_to_teach": ("gauge", "1 once every row is solved and the producers stopped"),
     **{
         f"episodes_dropped_{r}": ("counter", f"episodes dropped: {r.replace('_', ' ')}")
         for r in EPISODE_DROP_REASONS

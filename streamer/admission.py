@@ -22,6 +22,11 @@ publishing (hand back, finish, or the sweep of a dead producer's lease) gives th
 back, so a crashed producer cannot leak admission capacity. Publishing moves the slot to
 the entry (``keys.held_slots``); the trainer gives it back (:meth:`Admission.release`).
 
+A producer does the claim and its first admission try in one script
+(:meth:`Leases.claim_admit`, which also passes over rows set aside, see
+:mod:`streamer.rows`) and publishes with the room check and its metrics event in another
+(:meth:`Leases.publish`): two round trips per row. The same rules, the same Lua text.
+
 **Admission.** A group may start only while ``in_flight < (max_staleness + 1) * groups_per_step``, where
 ``in_flight`` (the counter ``…:admitted``) counts groups admitted and not yet trained or
 released. This is AReaL's ``admitted < (max_staleness + version + 1) * groups_per_step``
@@ -45,232 +50,29 @@ Every slot has an owner, and the counter moves only when an owner set changes:
 acknowledged and sets the counter to the owners' count, which also repairs a run whose
 counter a bug, an operator or an older version left wrong.
 
-Which script touches which key of a run (W writes, R reads; every key shares the run's hash
-tag, so each script runs on one node of a cluster):
-
-    script      cursor leases owner requeue lease_slots admitted held_slots attempts traj
-    _CLAIM      W      W      W     W       W           W (DECR) .          W        .
-    _RENEW      .      W      R     .       .           .        .          .        .
-    _ADMIT      .      .      R     .       W           W (INCR) .          .        .
-    _PUBLISH    .      W      W     .       W           .        W          W        W (XADD)
-    _END        .      W      W     W       W           W (DECR) .          W        .
-    _RELEASE    .      .      .     .       .           W (DECR) W          .        W (XACK)
-    _RECONCILE  .      .      .     .       R           W (SET)  W          .        R
-
-(``attempts`` is ``row_attempts`` and ``row_errors``; ``_CLAIM`` also writes ``skipped_rows``;
-``_ADMIT`` reads ``limits``; ``_PUBLISH`` increments ``rollout_step`` and reads ``version``;
-``_RELEASE`` counts rejections in ``rejected_since_step``.) The
+The Lua scripts, and which keys each touches, are in :mod:`streamer.lease_scripts`. The
 one Python twin of the admission rule is :func:`admission_limit`, which `streamer status` uses.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import redis
 
+from streamer import lease_scripts as lua
 from streamer.bus import FIELD, as_str
 from streamer.connection import TRANSIENT
 from streamer.errors import LeaseLost
-from streamer.keys import Keys
+from streamer.keys import TRAINER_GROUP, Keys
+from streamer.stamp import Stamped
 from streamer.values import DataError
 
 EXHAUSTED = -1  # every ticket of the configured epochs is claimed and no lease is open
 WAIT = -2  # no ticket now, but open leases may still expire and be re-issued
-
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-"""
-
-# KEYS: cursor leases owner requeue slots admitted attempts errors skipped
-# ARGV: owner lease_seconds limit(-1 = none) sweep_batch max_attempts(0 = no limit)
-# A lease that expired counts as a failed attempt (its producer died or stalled on the row);
-# a requeued ticket that failed max_attempts times is skipped with its last error as reason.
-_CLAIM = (
-    _NOW
-    + """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[4])
-for _, t in ipairs(expired) do
-  redis.call('ZREM', KEYS[2], t)
-  redis.call('HDEL', KEYS[3], t)
-  if redis.call('SREM', KEYS[5], t) == 1 then redis.call('DECR', KEYS[6]) end
-  redis.call('HINCRBY', KEYS[7], t, 1)
-  if redis.call('HEXISTS', KEYS[8], t) == 0 then
-    redis.call('HSET', KEYS[8], t, 'the lease expired: its producer died or stalled on it')
-  end
-  redis.call('RPUSH', KEYS[4], t)
-end
-local max_attempts = tonumber(ARGV[5])
-local ticket = redis.call('LPOP', KEYS[4])
-while ticket and max_attempts > 0 and tonumber(redis.call('HGET', KEYS[7], ticket) or '0') >= max_attempts do
-  local why = redis.call('HGET', KEYS[8], ticket) or 'failed'
-  redis.call('HSET', KEYS[9], ticket, max_attempts .. ' attempts failed; last: ' .. why)
-  redis.call('HDEL', KEYS[7], ticket)
-  redis.call('HDEL', KEYS[8], ticket)
-  ticket = redis.call('LPOP', KEYS[4])
-end
-if not ticket then
-  local limit = tonumber(ARGV[3])
-  if limit >= 0 and tonumber(redis.call('GET', KEYS[1]) or '0') >= limit then
-    if redis.call('ZCARD', KEYS[2]) == 0 then return -1 end
-    return -2
-  end
-  ticket = redis.call('INCR', KEYS[1]) - 1
-end
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ticket)
-redis.call('HSET', KEYS[3], ticket, ARGV[1])
-return tonumber(ticket)
-"""
-)
-
-# KEYS: leases owner ; ARGV: ticket owner lease_seconds
-_RENEW = (
-    _NOW
-    + """
-if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[1])
-return 1
-"""
-)
-
-# KEYS: traj leases owner slots held attempts errors rollout_step version
-# ARGV: ticket owner field payload
-# The ticket's admission slot moves to the published entry, which the trainer releases; the
-# group gets the next rollout step, and the reply carries the current policy version (the
-# producer's metrics event needs both: one round trip instead of three). A rollout step that
-# is not a number is an error before anything is written.
-_PUBLISH = """
-if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return false end
-local step = redis.call('GET', KEYS[8])
-if step and not string.match(step, '^%d+$') then
-  return redis.error_reply('ERR ' .. KEYS[8] .. ' is not a number')
-end
-local id = redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[4])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[6], ARGV[1])
-redis.call('HDEL', KEYS[7], ARGV[1])
-if redis.call('SREM', KEYS[4], ARGV[1]) == 1 then redis.call('SADD', KEYS[5], id) end
-return {id, redis.call('INCR', KEYS[8]), redis.call('GET', KEYS[9]) or false}
-"""
-
-# KEYS: leases owner slots admitted requeue attempts errors ; ARGV: ticket owner requeue(0/1) error
-# With an error the hand-back counts as a failed attempt; finishing a row forgets its failures.
-_END = """
-if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-if redis.call('SREM', KEYS[3], ARGV[1]) == 1 then redis.call('DECR', KEYS[4]) end
-if ARGV[4] ~= '' then
-  redis.call('HINCRBY', KEYS[6], ARGV[1], 1)
-  redis.call('HSET', KEYS[7], ARGV[1], ARGV[4])
-elseif ARGV[3] == '0' then
-  redis.call('HDEL', KEYS[6], ARGV[1])
-  redis.call('HDEL', KEYS[7], ARGV[1])
-end
-if ARGV[3] == '1' then redis.call('LPUSH', KEYS[5], ARGV[1]) end
-return 1
-"""
-
-
-# KEYS: attempts errors skipped requeue ; ARGV: tickets -> how many were un-skipped
-_FORGIVE = """
-local unskipped = 0
-for _, t in ipairs(ARGV) do
-  redis.call('HDEL', KEYS[1], t)
-  redis.call('HDEL', KEYS[2], t)
-  if redis.call('HDEL', KEYS[3], t) == 1 then
-    redis.call('LPUSH', KEYS[4], t)
-    unskipped = unskipped + 1
-  end
-end
-return unskipped
-"""
-
-# KEYS: admitted limits [lease_owner lease_slots] ; ARGV: staleness per_step [ticket owner]
-# With a leased ticket the slot is recorded as the lease's in the same step: a retried call
-# (its first reply lost to a timeout) finds it and takes no second slot; a lease that is
-# gone takes none (-1). Whoever ends the lease without publishing gives the slot back.
-_ADMIT = """
-if #KEYS == 4 then
-  if redis.call('HGET', KEYS[3], ARGV[3]) ~= ARGV[4] then return -1 end
-  if redis.call('SISMEMBER', KEYS[4], ARGV[3]) == 1 then return 1 end
-end
-local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
-if admitted == nil then return redis.error_reply('ERR ' .. KEYS[1] .. ' is not a number') end
-local staleness = tonumber(redis.call('HGET', KEYS[2], 'max_staleness') or ARGV[1])
-local per_step = tonumber(redis.call('HGET', KEYS[2], 'groups_per_step') or ARGV[2])
-if staleness == nil or per_step == nil then
-  return redis.error_reply('ERR ' .. KEYS[2] .. ' holds a non-number limit')
-end
-if admitted < (staleness + 1) * per_step then
-  if #KEYS == 4 then redis.call('SADD', KEYS[4], ARGV[3]) end
-  return redis.call('INCR', KEYS[1])
-end
-return 0
-"""
-
-# KEYS: held admitted traj rejected [fence] ; ARGV: group ('' = no ack), trained ('1': clear
-# the rejection counts), then (entry id, reason ('' = not rejected)) pairs [, then the
-# trainer's fencing token]. Returns the slots given back; -1, having done nothing, when the
-# trainer's run was taken over (streamer.trainer_lease). With a group the entries are
-# acknowledged by it in the same script: a script, not a MULTI with EVALSHA in it, because a
-# cluster client refuses scripts inside a pipeline.
-_RELEASE = """
-local last = #ARGV
-if #KEYS == 5 then
-  local fence = redis.call('GET', KEYS[5])
-  if fence and fence ~= ARGV[last] then return -1 end
-  last = last - 1
-end
-local n = 0
-if ARGV[2] == '1' then redis.call('DEL', KEYS[4]) end
-for i = 3, last, 2 do
-  if ARGV[1] ~= '' then redis.call('XACK', KEYS[3], ARGV[1], ARGV[i]) end
-  if ARGV[i + 1] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[i + 1], 1) end
-  if redis.call('SREM', KEYS[1], ARGV[i]) == 1 then n = n + 1 end
-end
-if n > 0 then
-  local left = redis.call('DECRBY', KEYS[2], n)
-  if left < 0 then redis.call('SET', KEYS[2], 0) end
-end
-return n
-"""
-
-# KEYS: held admitted lease_slots traj ; ARGV: group ; drops owners whose entries are gone or
-# acknowledged by the group, then sets the counter to the owners' count. Returns the count.
-_RECONCILE = """
-local pending = {}
-local info = redis.pcall('XINFO', 'GROUPS', KEYS[4])
-local last = '0-0'
-if type(info) == 'table' and not info.err then
-  for _, g in ipairs(info) do
-    local f = {}
-    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
-    if f['name'] == ARGV[1] then last = f['last-delivered-id'] end
-  end
-end
-local function le(a, b)
-  local am, as = string.match(a, '(%d+)-(%d+)')
-  local bm, bs = string.match(b, '(%d+)-(%d+)')
-  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
-  return am < bm or (am == bm and as <= bs)
-end
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local keep = false
-  if string.match(id, '^%d+%-%d+$') and #redis.call('XRANGE', KEYS[4], id, id) == 1 then
-    if not le(id, last) then keep = true
-    else keep = #redis.pcall('XPENDING', KEYS[4], ARGV[1], id, id, 1) == 1 end
-  end
-  if not keep then redis.call('SREM', KEYS[1], id) end
-end
-local n = redis.call('SCARD', KEYS[1]) + redis.call('SCARD', KEYS[3])
-redis.call('SET', KEYS[2], n)
-return n
-"""
 
 
 class Admission:
@@ -280,9 +82,9 @@ class Admission:
         self.client, self.keys = client, keys
         self.fence = fence  # the trainer's lease: its releases and acks check its fencing token
         self.defaults = (max_staleness, groups_per_step)
-        self._script = client.register_script(_ADMIT)
-        self._release = client.register_script(_RELEASE)
-        self._reconcile = client.register_script(_RECONCILE)
+        self._script = client.register_script(lua.ADMIT)
+        self._release = client.register_script(lua.RELEASE)
+        self._reconcile = client.register_script(lua.RECONCILE)
 
     def try_admit(self, ticket: int | None = None, owner: str = "") -> bool:
         """Take a slot if the rule allows; with ``ticket``, as that lease's (LeaseLost if gone).
@@ -369,6 +171,28 @@ class Published(NamedTuple):
     entry_id: str  # the group's trajectory entry
     rollout_step: int  # its step on the rollout axis (one per published group, run-wide)
     version: bytes | None  # the policy version key as the server held it (unparsed)
+    corrupt_row: str | None = None  # the group's row, when its record was not one (now new)
+
+
+NO_ROOM = "no room"  # publish: the trajectory stream holds max_unacked entries; nothing written
+
+
+class Claim(NamedTuple):
+    """The reply of :meth:`Leases.claim_admit`."""
+
+    ticket: int  # >= 0 (leased to us), EXHAUSTED, WAIT, NOTHING_TO_TEACH or AGAIN
+    granted: bool  # the ticket's admission slot was taken in the same step
+    cursor: int  # the cursor after the claim: where the producer's next window of rows starts
+    passed_over: int  # tickets of rows set aside that the claim passed over
+    rows_solved: int  # rows set aside as solved / unsolvable (0 when rows are never set aside)
+    rows_unsolvable: int
+    policy_id: str | None  # the newest entry of the policy stream (None: it is empty)
+    policy_fields: dict | None  # that entry's fields, unless it is the one the caller knew
+    corrupt_rows: list[str]  # rows whose record was missing or not a record (now new)
+
+
+NOTHING_TO_TEACH = -3  # every row is solved, and a last look at each taught nothing (streamer/rows.py)
+AGAIN = -4  # the cursor left the caller's window of rows: claim again with a new window
 
 
 class Leases:
@@ -384,16 +208,23 @@ class Leases:
         total_tickets: int | None = None,
         sweep_batch: int = 100,
         max_attempts: int = 0,
+        defer_after: int = 0,
+        revisit_probability: float = 1.0,
+        n_rows: int = 0,
     ):
         self.client, self.keys, self.owner = client, keys, owner
         self.lease_seconds, self.total_tickets = lease_seconds, total_tickets
         self.sweep_batch = sweep_batch
         self.max_attempts = max_attempts  # failed attempts before a row is skipped; 0 = never
-        self._claim = client.register_script(_CLAIM)
-        self._renew = client.register_script(_RENEW)
-        self._publish = client.register_script(_PUBLISH)
-        self._end = client.register_script(_END)
-        self._forgive = client.register_script(_FORGIVE)
+        self.defer_after, self.revisit_probability = defer_after, revisit_probability
+        self.n_rows = n_rows  # the dataset's rows (for "nothing left to teach")
+        self._rng = random.Random()
+        self._claim = client.register_script(lua.CLAIM)
+        self._claim_admit = client.register_script(lua.CLAIM_ADMIT)
+        self._renew = client.register_script(lua.RENEW)
+        self._publish = client.register_script(lua.PUBLISH)
+        self._end = client.register_script(lua.END)
+        self._forgive = client.register_script(lua.FORGIVE)
 
     def claim(self) -> int:
         """A ticket (>= 0) now leased to us, or :data:`EXHAUSTED` / :data:`WAIT`."""
@@ -416,28 +247,87 @@ class Leases:
             self._renew(keys=[k.leases, k.lease_owner], args=[ticket, self.owner, self.lease_seconds])
         )
 
-    def publish(self, ticket: int, payload: bytes) -> Published | None:
+    def claim_admit(
+        self, admission: Admission, *, known_policy: str = "", window: tuple[int, bytes] = (-1, b"")
+    ) -> Claim:
+        """Claim a ticket and try its admission slot in one round trip (see :data:`Claim`).
+
+        ``known_policy``: the policy entry id the caller has (its fields come back only when
+        the newest is another). ``window``: (first ticket, the rows of the tickets from it as
+        little-endian uint32), used to pass over rows set aside (``defer_after`` > 0)."""
+        k, (base, rows) = self.keys, window
+        limit = -1 if self.total_tickets is None else self.total_tickets
+        defer = self.defer_after if self.revisit_probability < 1 else 0
+        try:
+            reply = self._claim_admit(
+                keys=[
+                    *(k.admitted, k.cursor, k.leases, k.lease_owner, k.requeue, k.lease_slots),
+                    *(k.row_attempts, k.row_errors, k.skipped_rows, k.limits, k.policy),
+                    *(k.rows, k.rows_solved, k.rows_unsolvable, k.last_look),
+                ],
+                args=[
+                    *(self.owner, self.lease_seconds, limit, self.sweep_batch, self.max_attempts),
+                    *(*admission.defaults, known_policy, base, rows, defer, self.revisit_probability),
+                    *(self._rng.getrandbits(31), self.n_rows),
+                ],
+            )
+        except TRANSIENT:  # a cluster that is down answers CLUSTERDOWN, a ResponseError too
+            raise
+        except redis.exceptions.ResponseError as e:  # the cursor is not a number
+            raise DataError(f"claiming a row: {e}") from None
+        ticket, granted, cursor, passed, solved, unsolvable, policy_id, fields, *corrupt = reply
+        if isinstance(granted, bytes):  # the lease is ours; the admission counters are broken
+            self.hand_back(int(ticket))
+            raise DataError(f"admission: {as_str(granted)}")
+        return Claim(
+            *(int(ticket), int(granted) > 0, int(cursor), int(passed), int(solved), int(unsolvable)),
+            as_str(policy_id) if policy_id is not None else None,
+            dict(zip(fields[::2], fields[1::2], strict=True)) if fields is not None else None,
+            [as_str(r) for r in corrupt],
+        )
+
+    def publish(
+        self,
+        ticket: int,
+        payload: bytes,
+        *,
+        max_unacked: int = -1,
+        metrics: Stamped | None = None,
+        group_version: int = 0,
+        row: tuple[int, str, float] | None = None,
+    ) -> Published | str | None:
         """XADD ``payload`` to the trajectory stream and end the lease, atomically.
 
+        With ``max_unacked`` >= 0, only while the trainer group has fewer entries outstanding
+        (else :data:`NO_ROOM`, nothing written). ``metrics``: the group's rollout event, sent
+        in the same step with its rollout step and version offset against ``group_version``.
+        ``row``: (row, outcome, pass rate) for the row's record (:mod:`streamer.rows`).
         Returns what was published, or None (nothing was) when the lease was lost.
         """
         k = self.keys
+        row_args = ("", "", 0) if row is None else row
+        event = metrics or ("", 0, 0)
+        defer = self.defer_after if self.revisit_probability < 1 else 0
         try:
             reply = self._publish(
                 keys=[
                     *(k.traj, k.leases, k.lease_owner, k.lease_slots, k.held_slots),
-                    *(k.row_attempts, k.row_errors, k.rollout_step, k.version),
+                    *(k.row_attempts, k.row_errors, k.rollout_step, k.version, k.metrics),
+                    *(k.rows, k.rows_solved, k.rows_unsolvable),
                 ],
-                args=[ticket, self.owner, FIELD, payload],
+                args=[ticket, self.owner, FIELD, payload, max_unacked, TRAINER_GROUP, *event, group_version]
+                + [*row_args, defer],
             )
         except TRANSIENT:
             raise
         except redis.exceptions.ResponseError as e:  # checked before anything is written
             raise DataError(f"publishing: {e}") from None
-        if reply is None:
+        if reply[0] == 0:
             return None
-        entry, step, version = reply
-        return Published(as_str(entry), int(step), version)
+        if reply[0] == 2:
+            return NO_ROOM
+        _, entry, step, version, corrupt = reply
+        return Published(as_str(entry), int(step), version, as_str(corrupt) if corrupt is not None else None)
 
     def finish(self, ticket: int) -> bool:
         """End the lease without publishing (the row is done for this epoch); frees its slot."""

@@ -393,6 +393,11 @@ class Tail(Generic[T]):
         self.last_id = as_str(entry_id)
         return self._decode(self.last_id, fields)
 
+    def take(self, entry_id: str, fields: dict) -> T | None:
+        """An entry read elsewhere (a script's reply): the newest event now (or None)."""
+        self.last_id = entry_id
+        return self._decode(entry_id, fields)
+
     def poll(self, block: float = 0.0, count: int = 100) -> list[T]:
         resp = self.client.xread(
             {self.stream: self.last_id}, count=count, block=int(block * 1000) if block > 0 else None

@@ -92,6 +92,26 @@ class Keys:
         return self._k("requeue")  # LIST of tickets whose lease expired, handed out first
 
     @property
+    def rows(self) -> str:
+        return self._k("rows")  # HASH row -> its record "g,s,p" (streamer/rows.py)
+
+    @property
+    def rows_solved(self) -> str:
+        return self._k("rows_solved")  # SET of rows set aside as solved
+
+    @property
+    def rows_unsolvable(self) -> str:
+        return self._k("rows_unsolvable")  # SET of rows set aside as unsolvable
+
+    @property
+    def last_look(self) -> str:
+        return self._k("last_look")  # INT: the ticket the last look at every (solved) row ends at
+
+    @property
+    def row_count(self) -> str:
+        return self._k("row_count")  # INT: the dataset's rows, written by producers at start
+
+    @property
     def admitted(self) -> str:
         return self._k("admitted")  # groups in flight: admitted, not yet trained or released
 
@@ -157,13 +177,14 @@ class Keys:
             "stream": (self.traj, self.policy, self.metrics, self.dead),
             "string": (
                 *(self.cursor, self.admitted, self.version, self.rollout_step),
-                *(self.replicated, self.trainer_fence),
+                *(self.replicated, self.trainer_fence, self.row_count, self.last_look),
             ),
             "hash": (
                 *(self.lease_owner, self.row_attempts, self.row_errors, self.skipped_rows),
                 *(self.limits, self.rejected_since_step, self.run_marker, self.replayed, self.trainer_lease),
+                self.rows,
             ),
-            "set": (self.lease_slots, self.held_slots),
+            "set": (self.lease_slots, self.held_slots, self.rows_solved, self.rows_unsolvable),
             "zset": (self.leases, self.producers),
             "list": (self.requeue,),
         }

@@ -28,6 +28,7 @@ from streamer.bus import as_str, entry_event, group_lag
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect, redact
 from streamer.keys import TRAINER_GROUP, Keys
+from streamer.rows import from_replies
 from streamer.values import DataError, parse_int
 
 
@@ -109,6 +110,10 @@ class Snapshot(msgspec.Struct, kw_only=True):
     skipped_rows: int = 0  # rows skipped after producer.max_row_attempts failed attempts
     skipped_last: dict[str, str] = {}  # a few of them: ticket -> why
     problems: dict[str, str] = {}  # role -> what it cannot do, as it reported it (streamer/problems.py)
+    rows_total: int = 0  # dataset rows, as the producers said (0: unknown)
+    rows_solved: int = 0  # rows set aside: their last groups were all solved (streamer/rows.py)
+    rows_unsolvable: int = 0  # rows set aside: their last groups all failed
+    nothing_to_teach: bool = False  # every row is solved: the producers stopped
     data_lost: str = ""  # set when the server lost this run's data (see main)
     stalled: bool = False
     reasons: list[str] = []
@@ -146,11 +151,17 @@ def snapshot(
     pipe.hlen(keys.skipped_rows)
     pipe.hscan(keys.skipped_rows, count=SHOWN_SKIPPED)
     pipe.hgetall(keys.problems)
+    for key in (keys.row_count, keys.last_look, keys.cursor):
+        pipe.get(key)
+    pipe.scard(keys.rows_solved)
+    pipe.scard(keys.rows_unsolvable)
+    pipe.zcard(keys.leases)
     res = pipe.execute(raise_on_error=False)
     read = [k for key in named.values() for k in (key, key)] + [
         *(keys.policy, keys.producers, keys.producers, keys.producers, keys.dead, keys.admitted),
         *(keys.limits, keys.version, keys.rejected_since_step, keys.run_marker),
         *(keys.skipped_rows, keys.skipped_rows, keys.problems),
+        *(keys.row_count, keys.last_look, keys.cursor, keys.rows_solved, keys.rows_unsolvable, keys.leases),
     ]
     for key, r in zip(read, res):
         if isinstance(r, TRANSIENT):  # the server (a cluster) is down, not the key bad
@@ -173,7 +184,8 @@ def snapshot(
         marker,
         *skipped,
         trouble,
-    ) = res[2 * len(named) :]
+    ) = res[2 * len(named) : -6]
+    counts = from_replies(*res[-6:])
     parse_int(version, keys.version, default=0)  # not shown, but a bad one is named here too
     limits = {
         as_str(k): parse_int(v, f"{keys.limits} {as_str(k)}") for k, v in _hash(limits, keys.limits).items()
@@ -215,6 +227,10 @@ def snapshot(
             who: f"{p.what} ({_age(max(0.0, now - p.at))} ago)"
             for who, p in sorted(problems.parse(_hash(trouble, keys.problems)).items())
         },
+        rows_total=counts.total,
+        rows_solved=counts.solved,
+        rows_unsolvable=counts.unsolvable,
+        nothing_to_teach=counts.nothing_to_teach,
     )
     snap.reasons = stall_reasons(snap, stall_seconds=stall_seconds)
     snap.stalled = bool(snap.reasons)
@@ -226,6 +242,8 @@ def stall_reasons(snap: Snapshot, *, stall_seconds: float) -> list[str]:
     out = [f"the server lost this run's data: {snap.data_lost}"] if snap.data_lost else []
     out += [f"{who}: {what}" for who, what in snap.problems.items()]  # a role says it cannot work
     since = snap.policy.at if snap.policy else snap.stream("traj").first_entry_at
+    if snap.nothing_to_teach:  # done by design: no new version is coming
+        return out
     if since is None or snap.at - since <= stall_seconds:
         return out
     what = f"policy version {snap.policy.version}" if snap.policy else "a first policy version"
@@ -380,6 +398,12 @@ def render(snap: Snapshot) -> str:
             head = (s.name, s.length, s.entries_added) if i == 0 else ("", "", "")
             rows.append((*head, *((g.name, g.lag, g.pending, g.consumers) if g else ("-", "", "", ""))))
     lines += _table(("STREAM", "LENGTH", "ADDED", "GROUP", "LAG", "PENDING", "CONSUMERS"), rows)
+    if snap.rows_total:
+        active = snap.rows_total - snap.rows_solved - snap.rows_unsolvable
+        lines.append(
+            f"rows        {active} active, {snap.rows_solved} solved, {snap.rows_unsolvable} unsolvable "
+            f"(of {snap.rows_total}; solved and unsolvable rows are set aside)"
+        )
     lines.append(f"producers   {snap.live_producers} live of {snap.known_producers} known")
     if snap.producers:
         lines += _table(
@@ -398,7 +422,12 @@ def render(snap: Snapshot) -> str:
             ("WHEN", "STREAM", "ENTRY", "REASON"),
             [(f"{_age(snap.at - d.at)} ago", d.stream, d.entry_id, d.reason[:100]) for d in snap.dead_last],
         )
-    lines.append("STALLED: " + "; ".join(snap.reasons) if snap.stalled else "status      ok")
+    if snap.stalled:
+        lines.append("STALLED: " + "; ".join(snap.reasons))
+    elif snap.nothing_to_teach:
+        lines.append("status      done: nothing left to teach (every row is solved)")
+    else:
+        lines.append("status      ok")
     return "\n".join(lines)
 
 

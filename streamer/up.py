@@ -3,7 +3,8 @@
 Starts the embedded Valkey server (unless ``--redis-url``), then the metrics exporter,
 the trainer, the evaluator and N producers, all through the same entry points as
 ``streamer train|produce|eval|metrics``. It prints a live progress view, and when the
-trainer has finished its steps it stops the rest in order and prints a summary.
+trainer has finished its steps (or the producers find every row solved: nothing left to
+teach) it stops the rest in order and prints a summary.
 Running it again in the same data directory resumes the run; ``--fresh`` starts over
 (deleting only what Streamer created and marked, see :mod:`streamer.rundir`).
 
@@ -341,7 +342,8 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
 
 
 def _supervise(stack: Stack, progress: Progress, stop: threading.Event, *, until_eval: float | None) -> int:
-    """Until the trainer is done (0), a role fails (1) or eval accuracy reaches ``until_eval``."""
+    """Until the trainer is done (0), a role fails (1), eval accuracy reaches ``until_eval``
+    (0) or the producers find nothing left to teach (0)."""
     trainer = stack.children.get("train")  # None when a signal came before it started
     while not stop.is_set():
         if stack.failed() is not None:
@@ -349,6 +351,12 @@ def _supervise(stack: Stack, progress: Progress, stop: threading.Event, *, until
         if trainer is not None and trainer.exited() == 0:
             return 0
         progress.tick()
+        if progress.nothing_to_teach:
+            print(
+                "\nstreamer up: every row is solved: nothing left to teach; stopping",
+                flush=True,
+            )
+            return 0
         if progress.reached_eval(until_eval):
             print(
                 f"streamer up: eval accuracy {progress.eval_acc:.2f} >= {until_eval:g}: stopping", flush=True

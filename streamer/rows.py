@@ -1,0 +1,217 @@
+"""Rows that teach nothing step aside: a record per dataset row, kept next to the cursor.
+
+GRPO learns from a group only when its rewards differ. Once a row's group always comes back
+all solved (or all failed), every further group of it is rejected by the trainer's
+zero-variance filter: sampling it is CPU spent on nothing. The producer knows each group's
+rewards when it publishes, so the publish script updates the row's record
+(``…:rows``, HASH row -> ``"g,s,p"``):
+
+- ``g``: groups since the last useful one (rewards that differ), ``s``: how many of those
+  were solved, ``p``: the recent pass rate (share of samples with a reward above 0, halved
+  towards each new group's).
+
+A group is *solved* when every sample got the same reward and it is above 0, *failed*
+when every sample got the same reward of 0 or less, *useful* otherwise. A row whose last
+``producer.defer_after`` groups were all solved is *solved*; all failed, *unsolvable*
+(``…:rows_solved`` and ``…:rows_unsolvable`` hold them, for counting). When such a row's
+ticket comes up, the claim script passes it over and takes the next one; with probability
+``producer.revisit_probability`` it is handed out anyway, so a regression (or a row that
+became learnable) is noticed: one useful group makes it active again.
+
+The claim script maps tickets to rows with a *window* the producer sends: the rows of the
+tickets from the cursor it last saw on (:meth:`producers.dataset.Order.window`). A ticket
+outside the window is not handed out blind: the script answers "claim again" with the
+current cursor. Requeued tickets (a failed or expired attempt) are never passed over.
+
+When every row is solved, the claims first hand out the next ``n_rows`` tickets whatever
+their rows (``…:last_look``: one more look at about every row under the current policy). If
+none of those groups taught anything, nothing is left that can teach: the claim answers so,
+the producers stop, and `streamer status` and `streamer up` say it. Unsolvable rows do not
+end a run (unless ``revisit_probability`` is 0: then nothing would ever hand them out
+again): late in a run the policy still learns from the rare group of such a row that is
+not all failed, and with every row set aside the revisits are exactly that sampling. A record that is missing (a
+row in a set without one) or not a record is forgotten: the row is treated as new (never
+skipped for ever) and the producer logs one warning.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import redis
+
+from streamer.keys import Keys
+
+# Lua functions of the claim and publish scripts (streamer/lease_scripts.py); ``k`` names the
+# keys rows, solved, unsolvable and cursor.
+LUA = """
+local function parse_record(raw)  -- {g, s, p}; nil: no record; false: not a record
+  if not raw then return nil end
+  local g, s, p = string.match(raw, '^(%d+),(%d+),(%d*%.?%d+)$')
+  g, s, p = tonumber(g), tonumber(s), tonumber(p)
+  if not g or not s or not p or s > g or p > 1 then return false end
+  return {g, s, p}
+end
+
+local function state_of(rec, defer_after)  -- 'solved', 'unsolvable' or nil (active)
+  if rec and rec[1] >= defer_after then
+    if rec[2] == rec[1] then return 'solved' end
+    if rec[2] == 0 then return 'unsolvable' end
+  end
+  return nil
+end
+
+local function forget(k, row)
+  redis.call('HDEL', k.rows, row)
+  redis.call('SREM', k.solved, row)
+  redis.call('SREM', k.unsolvable, row)
+end
+
+local function place(k, row, state)
+  if state == 'solved' then redis.call('SADD', k.solved, row) else redis.call('SREM', k.solved, row) end
+  if state == 'unsolvable' then redis.call('SADD', k.unsolvable, row) else redis.call('SREM', k.unsolvable, row) end
+end
+
+-- the row's state; a record that is not one is forgotten (the row is new) and reported
+local function row_state(k, row, defer_after, corrupt)
+  local rec = parse_record(redis.call('HGET', k.rows, row))
+  if rec == false then
+    forget(k, row)
+    table.insert(corrupt, row)
+  end
+  return state_of(rec, defer_after)
+end
+
+-- the sizes of the two sets; when the solved (done_at 'solved') or both ('aside') cover
+-- every row, each member is checked first
+local function set_aside_counts(k, defer_after, n_rows, done_at, corrupt)
+  local solved, unsolvable = redis.call('SCARD', k.solved), redis.call('SCARD', k.unsolvable)
+  if (done_at == 'solved' and solved or solved + unsolvable) < n_rows then return solved, unsolvable end
+  for _, set in ipairs({{k.solved, 'solved'}, {k.unsolvable, 'unsolvable'}}) do
+    for _, row in ipairs(redis.call('SMEMBERS', set[1])) do
+      local rec = parse_record(redis.call('HGET', k.rows, row))
+      local n = tonumber(row)
+      local state = state_of(rec, defer_after)
+      if not rec then
+        forget(k, row)
+        table.insert(corrupt, row)
+      elseif n == nil or n < 0 or n >= n_rows or n ~= math.floor(n) then
+        forget(k, row)
+      elseif state ~= set[2] then
+        place(k, row, state)
+      end
+    end
+  end
+  return redis.call('SCARD', k.solved), redis.call('SCARD', k.unsolvable)
+end
+
+-- the next new ticket whose row is not set aside (or is revisited): {ticket, passed over};
+-- -4 when the cursor left the producer's window of rows (it claims again with a new one)
+local function next_row(k, limit, base, window, defer_after, revisit, corrupt)
+  local passed = 0
+  while true do
+    local none = no_new_ticket(k, limit)
+    if none then return {none, passed} end
+    if defer_after <= 0 then return {redis.call('INCR', k.cursor) - 1, passed} end
+    local cursor = tonumber(redis.call('GET', k.cursor) or '0')
+    local i = cursor - base
+    if i < 0 or 4 * i + 4 > #window then return {-4, passed} end
+    local b1, b2, b3, b4 = string.byte(window, 4 * i + 1, 4 * i + 4)
+    local state = row_state(k, b1 + 256 * b2 + 65536 * b3 + 16777216 * b4, defer_after, corrupt)
+    redis.call('INCR', k.cursor)
+    if state == nil or math.random() < revisit then return {cursor, passed} end
+    passed = passed + 1
+  end
+end
+
+-- every row solved (or set aside, without revisits): before nothing is said to be left to
+-- teach, the next n_rows tickets
+-- are handed out whatever their rows (a last look under the current policy). nil: some row
+-- is active; 'look': hand the next ticket out; -2: the last look's groups are still out;
+-- -3: nothing left to teach
+local function last_look(k, done, n_rows)
+  local ends = redis.call('GET', k.look)
+  if not done then
+    if ends then redis.call('DEL', k.look) end
+    return nil
+  end
+  local cursor = tonumber(redis.call('GET', k.cursor) or '0')
+  ends = tonumber(ends)
+  if not ends then
+    ends = cursor + n_rows
+    redis.call('SET', k.look, ends)
+  end
+  if cursor < ends then return 'look' end
+  if redis.call('ZCARD', k.leases) > 0 then return -2 end
+  return -3
+end
+
+-- the record after one more group of the row: 'solved', 'failed' or 'useful'; returns the
+-- row when its old record was not one (it starts again as new), else false
+local function record_group(k, row, outcome, pass_rate, defer_after)
+  local rec = parse_record(redis.call('HGET', k.rows, row))
+  local corrupt = rec == false and row
+  if rec then rec[3] = (rec[3] + pass_rate) / 2 else rec = {0, 0, pass_rate} end
+  if outcome == 'useful' then
+    rec[1], rec[2] = 0, 0
+  else
+    rec[1] = rec[1] + 1
+    if outcome == 'solved' then rec[2] = rec[2] + 1 end
+  end
+  redis.call('HSET', k.rows, row, string.format('%d,%d,%.3f', rec[1], rec[2], rec[3]))
+  if defer_after > 0 then place(k, row, state_of(rec, defer_after)) end
+  return corrupt
+end
+"""
+
+
+def outcome(rewards: list[float]) -> tuple[str, float]:
+    """("solved" | "failed" | "useful", pass rate) of a group; ("", …) for one sample (a
+    group of one is never judged by its variance, so it says nothing about the row)."""
+    n = len(rewards)
+    pass_rate = sum(r > 0 for r in rewards) / max(1, n)
+    if n < 2:
+        return "", pass_rate
+    if any(r != rewards[0] for r in rewards):
+        return "useful", pass_rate
+    return ("solved" if rewards[0] > 0 else "failed"), pass_rate
+
+
+class RowCounts(NamedTuple):
+    total: int  # rows of the dataset (0: no producer said yet)
+    solved: int
+    unsolvable: int
+    looked: bool = False  # the last look at every row, all solved, is over (none of it taught)
+
+    @property
+    def active(self) -> int:
+        return max(0, self.total - self.solved - self.unsolvable)
+
+    @property
+    def nothing_to_teach(self) -> bool:
+        return self.total > 0 and self.active == 0 and self.looked  # a look starts only when done
+
+
+def counts(client: redis.Redis, keys: Keys) -> RowCounts:
+    """Rows active / solved / unsolvable as the server holds them (one round trip)."""
+    pipe = client.pipeline(transaction=False)
+    for key in (keys.row_count, keys.last_look, keys.cursor):
+        pipe.get(key)
+    pipe.scard(keys.rows_solved)
+    pipe.scard(keys.rows_unsolvable)
+    pipe.zcard(keys.leases)
+    return from_replies(*pipe.execute())
+
+
+def from_replies(total, look_ends, cursor, solved, unsolvable, leases) -> RowCounts:
+    """The counts from GET row_count, last_look, cursor; SCARD of the two sets; ZCARD leases."""
+    total, look_ends, cursor = (_int(x) for x in (total, look_ends, cursor))
+    looked = look_ends is not None and (cursor or 0) >= look_ends and not leases
+    return RowCounts(total or 0, int(solved), int(unsolvable), looked)
+
+
+def _int(raw) -> int | None:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,188 @@
+"""Rows that teach nothing step aside: a row whose last groups were all solved (or all
+failed) is passed over by claims, handed out again only with the revisit probability, and
+active again after one useful group; when every row is solved the producers stop and the
+run says so; a row record that is missing or unreadable makes the row new, with one warning."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+
+import pytest
+
+from producers.components import Task, build
+from producers.dataset import Order
+from producers.producer import Producer
+from schemas import MetricsEvent, TrajectoryGroup, decode
+from streamer import status, up
+from streamer.admission import NOTHING_TO_TEACH, Admission, Leases
+from streamer.config import RunConfig, parse_config, replace
+from streamer.errors import ConfigError
+from streamer.progress import Progress
+
+ROWS = 4
+ORDER = Order(ROWS, seed=0, shuffle=False)  # ticket t is row t % 4
+
+
+def _leases(client, keys, *, defer_after=2, revisit=0.0, seed=0) -> tuple[Leases, Admission]:
+    leases = Leases(
+        client,
+        keys,
+        owner="p",
+        lease_seconds=60,
+        defer_after=defer_after,
+        revisit_probability=revisit,
+        n_rows=ROWS,
+    )
+    leases._rng = random.Random(seed)
+    return leases, Admission(client, keys, max_staleness=1000, groups_per_step=1000)
+
+
+def _group(leases, admission, outcome_of) -> tuple[int, int]:
+    """Claim a row and publish a group with ``outcome_of(row)``; (row, tickets passed over)."""
+    cursor = int(leases.client.get(leases.keys.cursor) or 0)
+    claim = leases.claim_admit(admission, window=(cursor, ORDER.window(cursor, 64)))
+    assert claim.ticket >= 0 and claim.granted, claim
+    row = ORDER.position(claim.ticket).row
+    assert leases.publish(claim.ticket, b"g", row=(row, outcome_of(row), 1.0)) is not None
+    return row, claim.passed_over
+
+
+def _solved_1_failed_2(row: int) -> str:
+    return {1: "solved", 2: "failed"}.get(row, "useful")
+
+
+def test_rows_whose_last_groups_were_all_solved_or_all_failed_are_passed_over(client, keys):
+    leases, admission = _leases(client, keys, defer_after=2)
+    first = [_group(leases, admission, _solved_1_failed_2)[0] for _ in range(2 * ROWS)]
+    assert first == [0, 1, 2, 3] * 2
+    later = [_group(leases, admission, _solved_1_failed_2) for _ in range(6)]
+    assert [row for row, _ in later] == [0, 3] * 3, "rows 1 and 2 step aside"
+    assert sum(passed for _, passed in later) == 6
+    assert client.smembers(keys.rows_solved) == {b"1"} and client.smembers(keys.rows_unsolvable) == {b"2"}
+    assert client.hget(keys.rows, 1).startswith(b"2,2,") and client.hget(keys.rows, 0).startswith(b"0,0,")
+
+
+def test_a_row_set_aside_is_revisited_with_the_probability_and_one_useful_group_brings_it_back(client, keys):
+    leases, admission = _leases(client, keys, defer_after=1, revisit=0.25, seed=1)
+    rows = [_group(leases, admission, lambda r: "solved" if r == 1 else "useful")[0] for _ in range(400)]
+    epochs = (int(client.get(keys.cursor)) - 1) // ROWS
+    revisits = rows[ROWS:].count(1)
+    assert 0.1 * epochs < revisits < 0.45 * epochs, f"row 1 handed out {revisits} times in {epochs} epochs"
+    while _group(leases, admission, lambda r: "useful")[0] != 1:  # the next revisit teaches
+        pass
+    assert client.scard(keys.rows_solved) == 0
+    assert [_group(leases, admission, lambda r: "useful")[0] for _ in range(ROWS)].count(1) == 1
+
+
+def test_when_every_row_is_solved_a_last_look_at_each_comes_before_nothing_is_left_to_teach(client, keys):
+    leases, admission = _leases(client, keys, defer_after=1, revisit=0.1)
+    for _ in range(ROWS):
+        _group(leases, admission, lambda r: "solved")
+    looked = [_group(leases, admission, lambda r: "solved") for _ in range(ROWS)]
+    assert looked == [(r, 0) for r in range(ROWS)], "one more group of every row, none passed over"
+    assert leases.claim_admit(admission, window=(8, ORDER.window(8, 8))).ticket == NOTHING_TO_TEACH
+    assert client.zcard(keys.leases) == 0 and int(client.get(keys.admitted)) == 2 * ROWS, "no lease, no slot"
+
+
+def test_unsolvable_rows_end_a_run_only_when_nothing_would_hand_them_out_again(client, keys):
+    solved_or_failed = lambda r: "solved" if r % 2 else "failed"  # noqa: E731
+    leases, admission = _leases(client, keys, defer_after=1, revisit=0.5)
+    for _ in range(ROWS):
+        _group(leases, admission, solved_or_failed)
+    revisits = [_group(leases, admission, solved_or_failed)[1] for _ in range(20)]
+    assert sum(revisits) > 0 and not client.exists(keys.last_look), "rows come back one at a time"
+    leases.revisit_probability = 0.0
+    for _ in range(ROWS):  # the last look
+        _group(leases, admission, solved_or_failed)
+    cursor = int(client.get(keys.cursor))
+    assert leases.claim_admit(admission, window=(cursor, ORDER.window(cursor, 8))).ticket == NOTHING_TO_TEACH
+
+
+def test_a_last_look_that_teaches_puts_the_row_back(client, keys):
+    leases, admission = _leases(client, keys, defer_after=1)
+    for _ in range(ROWS):
+        _group(leases, admission, lambda r: "solved")
+    assert _group(leases, admission, lambda r: "useful") == (0, 0)  # the last look: row 0 teaches
+    assert client.scard(keys.rows_solved) == ROWS - 1
+    assert _group(leases, admission, lambda r: "solved") == (0, ROWS - 1), "the others are passed over again"
+    assert not client.exists(keys.last_look)
+
+
+# ---------------------------------------------------------------- the producer
+
+
+def _producer(keys, redis_url, tmp_path, client, *, rows: int, reward: float, **producer) -> Producer:
+    cfg = replace(
+        RunConfig(),
+        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
+        producer={"group_size": 4, "max_new_tokens": 3, "torch_threads": 1, **producer},
+        trainer={"groups_per_step": 1000},
+    )
+    task, sampler = build(cfg)
+    task = Task(rows=task.rows[:rows], renderer=task.renderer, reward_fn=lambda *a: reward, reward_path="t")
+    return Producer(cfg, client=client, producer_id="p1", task=task, sampler=sampler)
+
+
+def test_a_producer_stops_when_nothing_is_left_to_teach_and_the_run_says_so(
+    client, keys, redis_url, tmp_path, caplog
+):
+    p = _producer(keys, redis_url, tmp_path, client, rows=2, reward=1.0, defer_after=2)
+    with caplog.at_level(logging.INFO, logger="producers.producer"):
+        assert p.run() == 0
+    assert client.xlen(keys.traj) == 6, "two groups of each row, a last look at each, then nothing"
+    said = [r.getMessage() for r in caplog.records if "nothing left to teach" in r.getMessage()]
+    assert len(said) == 1 and "every row is solved (2 of 2)" in said[0]
+    events = [decode(f[b"d"], MetricsEvent) for _, f in client.xrange(keys.metrics)]
+    assert events[-1].values["nothing_to_teach"] == 1.0 and events[-1].values["rows_active"] == 0
+    snap = status.snapshot(client, keys)
+    assert snap.nothing_to_teach and not snap.stalled and (snap.rows_total, snap.rows_solved) == (2, 2)
+    text = status.render(snap)
+    assert "0 active, 2 solved, 0 unsolvable" in text and "nothing left to teach" in text
+    p.close()
+
+
+def test_up_ends_its_run_when_a_producer_finds_nothing_left_to_teach(
+    client, keys, redis_url, tmp_path, capsys
+):
+    p = _producer(keys, redis_url, tmp_path, client, rows=1, reward=1.0, defer_after=1)
+    assert p.run() == 0
+    p.close()
+    progress = Progress(p.cfg, target_steps=10, live=False)
+    done: list[int] = []
+    supervise = threading.Thread(
+        target=lambda: done.append(up._supervise(up.Stack(), progress, threading.Event(), until_eval=None)),
+        daemon=True,
+    )
+    supervise.start()
+    supervise.join(timeout=30)
+    assert done == [0], "up's supervision did not end"
+    assert "nothing left to teach; stopping" in capsys.readouterr().out
+
+
+def test_an_unreadable_or_missing_row_record_makes_the_row_new_with_one_warning(
+    client, keys, redis_url, tmp_path, caplog
+):
+    p = _producer(keys, redis_url, tmp_path, client, rows=2, reward=1.0, defer_after=1)
+    client.hset(keys.rows, 0, "not a record")
+    client.sadd(keys.rows_solved, 0, 1)  # row 1 has no record at all: every row "set aside"
+    with caplog.at_level(logging.WARNING, logger="producers.producer"):
+        assert [p.step() for _ in range(2)] == ["published", "published"]
+    warned = sorted(r.getMessage().split(":")[0] for r in caplog.records if "record" in r.getMessage())
+    assert warned == ["row 0", "row 1"], "one warning per row"
+    assert {r.row for r in _groups(client, keys)} == {0, 1}, "both rows handed out as new"
+    assert all(client.hget(keys.rows, r).startswith(b"1,1,") for r in (0, 1))
+    p.close()
+
+
+def _groups(client, keys) -> list[TrajectoryGroup]:
+    return [decode(f[b"d"], TrajectoryGroup) for _, f in client.xrange(keys.traj)]
+
+
+@pytest.mark.parametrize("bad", ["defer_after = 0", "defer_after = 0\nrevisit_probability = 0.5"])
+def test_settings_that_set_every_row_aside_from_the_start_are_a_config_error(bad):
+    with pytest.raises(ConfigError) as e:
+        parse_config(f"[producer]\n{bad}\n")
+    assert "producer.defer_after" in str(e.value) and "producer.revisit_probability" in str(e.value)
+    assert parse_config("[producer]\ndefer_after = 0\nrevisit_probability = 1.0\n").producer.defer_after == 0
