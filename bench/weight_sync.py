@@ -490,7 +490,7 @@ def report(all_results: dict[str, dict], args) -> None:
         parts,
     )
     print(
-        "legend: NAME = xadd->all / raw (issue 8's definition); NAME_path = (publish + load) / raw, "
+        "legend: NAME = xadd->all / raw (publication to every producer loaded); NAME_path = (publish + load) / raw, "
         "the data path without the wait for the group in flight; NAME_end = end->all / raw, from "
         "the end of the step to every producer on the new version"
     )

@@ -1,4 +1,4 @@
-"""Admission accounting that cannot leak, go negative or wedge (issue 12, item 4).
+"""Admission accounting that cannot leak, go negative or wedge.
 
 Every slot has an owner (a row lease, then a published entry); the counter moves only when
 an owner set changes. Driven here with real trainer and producer processes:
@@ -83,7 +83,7 @@ def test_resume_with_a_smaller_groups_per_step_keeps_training(private_valkey, pr
     client = connect(url)
     server, _ = inference
     runs = []
-    for per_step, steps in ((4, 3), (2, 7)):  # 8 -> 4 in the issue; the same shape, smaller
+    for per_step, steps in ((4, 3), (2, 7)):  # a halved groups_per_step on resume, kept small
         config = run_config(
             tmp_path / f"run-{per_step}.toml",
             keys,

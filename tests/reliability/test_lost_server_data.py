@@ -1,4 +1,4 @@
-"""Versions that mean what they say after a crash (issue 12 item 5, issue 15 item 5).
+"""Versions that mean what they say after a crash or a lost server.
 
 1. The server loses its data (no persistence, or flushed) while checkpoints exist: the
    trainer detects it (the run's marker key is gone), says so with the way out, takes its

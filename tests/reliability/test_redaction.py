@@ -1,4 +1,4 @@
-"""Passwords never reach a log or a terminal, whatever characters they hold (item 9)."""
+"""Passwords never reach a log or a terminal, whatever characters they hold."""
 
 from __future__ import annotations
 

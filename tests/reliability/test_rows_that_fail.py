@@ -1,4 +1,4 @@
-"""Rows that can never succeed (item 7): refused up front when they lack what the reward
+"""Rows that can never succeed: refused up front when they lack what the reward
 reads; skipped with a counted reason after ``producer.max_row_attempts`` failed attempts,
 instead of being handed out first, forever."""
 

@@ -1,4 +1,4 @@
-"""`streamer status` says why a run is not progressing, and exits 1 then (item 11): all
+"""`streamer status` says why a run is not progressing, and exits 1 then: all
 groups rejected (and why), the admission window full with nothing to train, no live
 producers, the server's data lost. Against a real trainer process."""
 

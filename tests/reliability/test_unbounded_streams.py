@@ -1,4 +1,4 @@
-"""Streams stay bounded when nothing trains (item 10): every group rejected (all-zero
+"""Streams stay bounded when nothing trains: every group rejected (all-zero
 rewards), no step, no checkpoint — the trajectory stream is trimmed anyway."""
 
 from __future__ import annotations
