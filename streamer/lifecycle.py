@@ -22,9 +22,13 @@ import ctypes.util
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -158,3 +162,64 @@ class QuietStdout:
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
+
+
+GRACE_SECONDS = 30.0  # per child, after SIGTERM, before SIGKILL
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    stopping: bool = False
+    group: bool = False  # signal its whole process group (an engine and its worker processes)
+    env: dict[str, str] | None = None  # its own environment instead of the roles'
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env or env,
+                start_new_session=True,  # Ctrl-C reaches `up`, which stops us in order
+                preexec_fn=child_preexec(os.getpid()),  # and `up` dying stops us too
+            )
+
+    def exited(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def stop(self, grace: float = GRACE_SECONDS) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.exited()
+        self.stopping = True
+        self._signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0fs; killing it", self.name, grace)
+            self._signal(signal.SIGKILL)
+            return self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL now (the second signal): the last checkpoint stays the resume point."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.stopping = True
+            self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig) if self.group else self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return "".join(line.decode(errors="replace") for line in deque(f, maxlen=lines))
+        except OSError:
+            return ""

@@ -21,11 +21,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +32,7 @@ from streamer.config import URL_ENV, RunConfig, replace
 from streamer.connection import connect, redact
 from streamer.errors import ConfigError
 from streamer.keys import Keys
-from streamer.lifecycle import QuietStdout, child_preexec
+from streamer.lifecycle import Child, QuietStdout
 from streamer.progress import Progress
 from streamer.rundir import (
     ENGINE_CONFIG,
@@ -53,66 +51,7 @@ from streamer.server import EmbeddedServer, free_port
 
 log = logging.getLogger(__name__)
 
-GRACE_SECONDS = 30.0  # per child, after SIGTERM, before SIGKILL
 FINAL_EVAL_WAIT = 60.0  # how long to wait for the evaluation of the final version
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    stopping: bool = False
-    group: bool = False  # signal its whole process group (an engine and its worker processes)
-    env: dict[str, str] | None = None  # its own environment instead of the roles'
-
-    def start(self, env: dict[str, str]) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env or env,
-                start_new_session=True,  # Ctrl-C reaches `up`, which stops us in order
-                preexec_fn=child_preexec(os.getpid()),  # and `up` dying stops us too
-            )
-
-    def exited(self) -> int | None:
-        return self.proc.poll() if self.proc else None
-
-    def stop(self, grace: float = GRACE_SECONDS) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.exited()
-        self.stopping = True
-        self._signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0fs; killing it", self.name, grace)
-            self._signal(signal.SIGKILL)
-            return self.proc.wait()
-
-    def kill(self) -> None:
-        """SIGKILL now (the second signal): the last checkpoint stays the resume point."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.stopping = True
-            self._signal(signal.SIGKILL)
-
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig) if self.group else self.proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return "".join(line.decode(errors="replace") for line in deque(f, maxlen=lines))
-        except OSError:
-            return ""
 
 
 @dataclass
@@ -230,16 +169,16 @@ def _engine(cfg: RunConfig, args) -> tuple[RunConfig, Child]:
             "remote_model": str(model_dir),
         },
     )
-    argv = vllm_server.command(
+    server = vllm_server.VllmServer(
         model_dir,
+        log_path=cfg.log_dir / "engine.log",
         port=port,
         dtype=cfg.model.dtype,
         max_model_len=_max_len(model_dir),
         lora_rank=cfg.model.lora.rank,
     )
     args.engine_config = str(write_toml(cfg.run_dir / ENGINE_CONFIG, msgspec.to_builtins(cfg)))
-    child = Child("engine", argv, cfg.log_dir / "engine.log", group=True, env=vllm_server.environment())
-    return cfg, child
+    return cfg, server.child
 
 
 def _max_len(model_dir: Path) -> int:

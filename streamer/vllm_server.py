@@ -19,16 +19,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from pathlib import Path
 
 from streamer.errors import StreamerError
+from streamer.lifecycle import Child
 
 VERSION = "0.32.0"
 MODULE = "vllm.entrypoints.openai.api_server"
@@ -139,28 +138,25 @@ def probe(url: str, model: str, prompt: list[int], *, timeout: float = 30.0) -> 
 
 
 class VllmServer:
-    """One vLLM server process (group): start, wait until it really samples, stop."""
+    """One vLLM server process (group): start, wait until it really samples, stop. Its process
+    is a :class:`~streamer.lifecycle.Child` (its own session, signalled as a group, gone with
+    its parent), as `up` runs it among the roles."""
 
-    def __init__(self, model_dir: Path, *, log_path: Path, port: int, **kwargs):
-        self.model_dir, self.log_path, self.port = Path(model_dir), Path(log_path), port
-        self.argv = command(self.model_dir, port=port, **kwargs)
-        self.proc: subprocess.Popen | None = None
+    def __init__(self, model_dir: Path, *, log_path: Path, port: int, name: str = "engine", **kwargs):
+        self.model_dir, self.port = Path(model_dir), port
+        argv = command(self.model_dir, port=port, **kwargs)
+        self.child = Child(name, argv, Path(log_path), group=True, env=environment())
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.child.proc
+
     def start(self) -> VllmServer:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=environment(),
-                start_new_session=True,  # its engine-core child goes with it (killpg)
-            )
+        self.child.start(environment())
         return self
 
     def wait_ready(self, prompt: list[int], *, timeout: float = 300.0) -> float:
@@ -168,8 +164,8 @@ class VllmServer:
         start = time.monotonic()
         why = "not started"
         while time.monotonic() - start < timeout:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise EngineError(f"vLLM exited with code {self.proc.returncode}:\n{self.tail()}")
+            if (code := self.child.exited()) is not None:
+                raise EngineError(f"vLLM exited with code {code}:\n{self.tail()}")
             why = probe(self.url, str(self.model_dir), prompt)
             if not why:
                 return time.monotonic() - start
@@ -177,25 +173,7 @@ class VllmServer:
         raise EngineError(f"vLLM at {self.url} did not complete a request within {timeout:.0f}s ({why})")
 
     def stop(self, grace: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        _signal_group(self.proc, signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            _signal_group(self.proc, signal.SIGKILL)
-            self.proc.wait()
+        self.child.stop(grace)
 
     def tail(self, lines: int = 20) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return "".join(line.decode(errors="replace") for line in deque(f, maxlen=lines))
-        except OSError:
-            return ""
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+        return self.child.tail(lines)
