@@ -191,11 +191,12 @@ def bare_child(steps: int, config: str | None) -> int:
     from producers.components import build, load_task
     from producers.rewards import score
     from schemas import TrajectoryGroup
+    from streamer import demo
     from streamer.config import load_config, replace
 
     _quiet_transformers()
     torch.set_num_threads(1)
-    cfg = load_config(config)
+    cfg = demo.config() if config is None else load_config(config)
     cfg = replace(cfg, trainer={"steps": steps})
     p, tc = cfg.producer, cfg.trainer
     task, sampler = build(cfg)

@@ -129,7 +129,7 @@ def producer_child(config: str, producer_id: str, latency: float, *, verify: str
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     if verify == "none":
         weights.resolve = functools.partial(weights.resolve, check_sha=False)
-    cfg = load_config(config)
+    cfg = demo.config() if config is None else load_config(config)
     client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name=producer_id)
     task, sampler = build_parts(cfg)
     producer = Producer(

@@ -3,13 +3,13 @@
 It folds the run's ``metrics`` stream into series on three step axes kept apart
 (``streamer_train_*``, ``streamer_rollout_*``, ``streamer_eval_*``, each with its
 ``streamer_{axis}_step``), samples stream health from the server every
-``metrics.health_interval`` (the same :func:`streamer.status.snapshot` that
+``metrics.health_interval`` (the same :func:`streamer.readmodel.health.snapshot` that
 ``streamer status`` prints), and serves ``/metrics`` and ``/healthz``.
 
 Event-sourced state. Everything served from events is a pure fold of the metrics
 stream (:class:`consumers.metrics_state.State`). Every ``metrics.snapshot_interval``
 seconds the exporter saves that state to Redis and trims the stream behind it
-(:mod:`consumers.saved_state`), so the stream stays bounded however long the run. On start
+(:mod:`streamer.readmodel.saved`), so the stream stays bounded however long the run. On start
 it loads the snapshot, replays the stream after it with XRANGE, then joins its consumer
 group (``metrics``) for new entries; entries at or below the replayed id are acknowledged
 without being applied again. A restart therefore continues the same counter totals
@@ -43,8 +43,7 @@ import redis
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from consumers import saved_state
-from consumers.metrics_state import SERIES, Series, State, gauge
+from consumers.metrics_state import SERIES, Series, State, gauge, restore, save
 from schemas import MetricsEvent
 from streamer import lifecycle
 from streamer.bus import Consumer, parse_id, scan
@@ -52,7 +51,8 @@ from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect
 from streamer.errors import ConfigError
 from streamer.keys import METRICS_GROUP, Keys
-from streamer.status import Snapshot, snapshot
+from streamer.readmodel import saved
+from streamer.readmodel.health import Snapshot, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,9 @@ class Exporter:
     def bootstrap(self) -> int:
         """Rebuild the state from the snapshot and the stream after it; join the group."""
         state, after, applied, bad = State(), "-", 0, 0
-        snap = saved_state.load(self.client, self.keys.metrics_snapshot)
+        snap = saved.load(self.client, self.keys.metrics_snapshot)
         if snap is not None:
-            state, after = saved_state.restore(snap), snap.last_id
+            state, after = restore(snap), snap.last_id
             self._trim_to = snap.last_id
             log.info("restored the metrics state of %s (%d events)", snap.last_id, sum(snap.events.values()))
         for entry_id, event in scan(self.client, self.keys.metrics, MetricsEvent, after=after):
@@ -131,7 +131,7 @@ class Exporter:
 
     def save_snapshot(self, *, trim: bool = True) -> str:
         """Save the state; trim the stream up to the previous snapshot (one interval behind)."""
-        last = saved_state.save(self.client, self.keys.metrics_snapshot, self.state)
+        last = save(self.client, self.keys.metrics_snapshot, self.state)
         if trim and self._trim_to is not None:
             ms, seq = parse_id(self._trim_to)  # MINID keeps its own id: cut just past it
             cut = f"{ms}-{seq + 1}"

@@ -2,7 +2,7 @@
 
 :data:`SERIES` names every series the exporter can serve; :class:`State` is the fold of
 ``MetricsEvent``s into gauges (latest value) and counters (sums of per-event increments),
-and turns itself plus a stream-health :class:`~streamer.status.Snapshot` into
+and turns itself plus a stream-health :class:`~streamer.readmodel.health.Snapshot` into
 prometheus-client metric families for one scrape. See :mod:`consumers.exporter` for the
 naming rules and for how the state survives restarts.
 """
@@ -13,16 +13,18 @@ import logging
 import math
 import re
 import threading
-from collections import deque
+import time
 from typing import NamedTuple
 
+import redis
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
-from consumers.history import History
 from schemas import MetricsEvent
 from schemas.metric_names import AXES, DEFAULT_EVAL_SET
 from streamer.bus import parse_id
-from streamer.status import Snapshot
+from streamer.readmodel.health import Snapshot
+from streamer.readmodel.history import History
+from streamer.readmodel.saved import ENCODER, SavedState, SeenIds
 
 log = logging.getLogger(__name__)
 
@@ -86,29 +88,6 @@ SERIES: dict[str, Series] = {**EVENT_SERIES, **HEALTH_SERIES}
 def sanitise(name: str) -> str:
     """A metric name fragment made of [a-z0-9_], no leading/trailing/double underscores."""
     return re.sub(r"_+", "_", re.sub(r"[^a-z0-9_]", "_", name.lower())).strip("_")
-
-
-class SeenIds:
-    """The ids of the last ``size`` events: a copy of one (an XADD retried after its reply
-    was lost) lands within seconds of the original, so a bounded window finds it."""
-
-    def __init__(self, size: int = 10_000, ids=()):
-        self.order: deque[str] = deque(maxlen=size)
-        self.ids: set[str] = set()
-        for i in ids:
-            self.add(i)
-
-    def add(self, event_id: str) -> bool:
-        """Remember ``event_id``; False if it was already seen ("" is never a duplicate)."""
-        if not event_id:
-            return True
-        if event_id in self.ids:
-            return False
-        if len(self.order) == self.order.maxlen:
-            self.ids.discard(self.order[0])
-        self.order.append(event_id)
-        self.ids.add(event_id)
-        return True
 
 
 class State:
@@ -303,3 +282,65 @@ def _health_families(h: Snapshot, now: float, last_train_at: float | None) -> li
     if last is not None:
         out.append(gauge("streamer_train_seconds_since_last_step", max(0.0, now - last)))
     return out
+
+
+# ---------------------------------------------------------------- saved state
+
+
+def capture(state: State) -> SavedState:
+    """The state as a SavedState; the caller holds ``state.lock`` until it is encoded."""
+    ms, seq = state.last_id
+    return SavedState(
+        last_id=f"{ms}-{seq}",
+        at=time.time(),
+        steps=dict(state.steps),
+        gauges=dict(state.gauges),
+        counters=dict(state.counters),
+        labelled=[(n, p, v) for (n, p), v in state.labelled.items()],
+        events=dict(state.events),
+        unknown=dict(state.unknown),
+        unknown_names=sorted(state.unknown_names),
+        unknown_resolved=[
+            (a, n, None if r is None else r[0])
+            for (a, n), r in state._names.items()
+            if (a, n) in state.unknown_names
+        ],
+        producers=dict(state._producers),
+        last_train_at=state.last_train_at,
+        seen=list(state.seen.order),
+        duplicates=state.duplicates,
+        history=state.history,
+        set_gauges=[(n, s, v) for (n, s), v in state.set_gauges.items()],
+        sets=dict(state._sets),
+    )
+
+
+def restore(snap: SavedState) -> State:
+    state = State()
+    state.last_id = parse_id(snap.last_id)
+    state.steps, state.gauges = dict(snap.steps), dict(snap.gauges)
+    state.counters.update(snap.counters)
+    state.labelled = {(n, p): v for n, p, v in snap.labelled}
+    state.events.update(snap.events)
+    state.unknown = dict(snap.unknown)
+    state.unknown_names = {tuple(x) for x in snap.unknown_names}
+    state._names.update({(a, n): None if s is None else (s, "gauge") for a, n, s in snap.unknown_resolved})
+    state._producers = dict(snap.producers)
+    state.last_train_at = snap.last_train_at
+    state.seen = SeenIds(ids=snap.seen)
+    state.duplicates = snap.duplicates
+    state.history = snap.history
+    state.set_gauges = {(n, s): v for n, s, v in snap.set_gauges}
+    state._sets = dict(snap.sets)
+    for name in [n for n in state.gauges if n.startswith("streamer_eval_") and n != "streamer_eval_step"]:
+        state.set_gauges.setdefault((name, DEFAULT_EVAL_SET), state.gauges.pop(name))  # saved before sets
+    return state
+
+
+def save(client: redis.Redis, key: str, state: State) -> str:
+    """SET the snapshot; the id of the last event it covers."""
+    with state.lock:
+        snap = capture(state)
+        data = ENCODER.encode(snap)
+    client.set(key, data)
+    return snap.last_id

@@ -16,7 +16,7 @@ from producers.render import Renderer, stop_ids
 from producers.samplers import LocalSampler
 from streamer import models
 from streamer.config import RunConfig
-from streamer.rollout_types import DEFAULT_ROLLOUT, Task
+from streamer.rollout.contract import DEFAULT_ROLLOUT, Task
 
 __all__ = [
     "Task",

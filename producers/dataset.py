@@ -27,8 +27,8 @@ def load_rows(source: str, *, split: str = "train") -> list[dict]:
     """Rows of ``source``: "demo" (the built-in task's ``split``) or a JSONL path."""
     if source == demo.DEMO:
         return demo.rows(split)
-    if source.startswith(f"{demo.DEMO}:"):  # a built-in multi-turn task (streamer.tasks)
-        from streamer import tasks
+    if source.startswith(f"{demo.DEMO}:"):  # a built-in multi-turn task (streamer.rollout.tasks)
+        from streamer.rollout import tasks
 
         return tasks.rows(source.partition(":")[2], split)
     path = Path(source)

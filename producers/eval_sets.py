@@ -29,7 +29,7 @@ from producers.dataset import check_required, load_rows
 from streamer.config import DEFAULT_SET, EvalSetSection, RunConfig
 from streamer.errors import ConfigError, DatasetError
 from streamer.imports import load_function
-from streamer.rollout_types import DEFAULT_ROLLOUT, RewardFn
+from streamer.rollout.contract import DEFAULT_ROLLOUT, RewardFn
 
 __all__ = ["EvalSet", "RowScores", "pass_at_k", "prepare", "summarize"]
 

@@ -12,7 +12,7 @@ temperature, their own rollout and reward) and publishes one ``MetricsEvent(axis
 step=version, source="eval", eval_set=NAME)`` per set with the names of
 ``schemas.metric_names.EVAL`` (pass@k, mean@k, ...). Single-turn sets on an in-process
 model decode in batches of ``eval.batch_size`` prompts; the others run their rollout
-(:mod:`streamer.rollout_eval`). A reward that raises counts as a failed sample (reward 0).
+(:mod:`producers.eval_rollouts`). A reward that raises counts as a failed sample (reward 0).
 
 Where it samples: a server of its own (``eval.remote_url``, which it reloads itself, so
 each evaluation sees exactly the version it names), else the producers' server when they
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import anyio
 import redis
 
-from producers import eval_sets, rewards
+from producers import eval_rollouts, eval_sets, rewards
 from producers import rollout as rollouts
 from producers.components import eval_sampler
 from producers.dataset import DatasetError
@@ -44,13 +44,13 @@ from producers.render import Renderer
 from producers.rewards import score
 from producers.samplers import SamplerError
 from schemas import MetricsEvent, WeightSync
-from streamer import lifecycle, models, rollout_eval
+from streamer import lifecycle, models
 from streamer.bus import Publisher
 from streamer.config import DEFAULT_SET, RunConfig
 from streamer.connection import connect, retrying
 from streamer.errors import EpisodeRejected, RewardUnavailable
 from streamer.keys import Keys
-from streamer.rollout_types import Rollout, Task
+from streamer.rollout.contract import Rollout, Task
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class Evaluator:
         if s.spec.single_turn and self.in_process:
             return self._batched(s, version)
         spec = s.spec
-        episodes = rollout_eval.evaluate(
+        episodes = eval_rollouts.evaluate(
             spec.rows,
             task=s.task,
             sampler=self.sampler,

@@ -46,14 +46,14 @@ from producers.trips import Trips
 from schemas import MetricsEvent, TrajectoryGroup
 from streamer import connection, lifecycle, problems
 from streamer.admission import AGAIN, EXHAUSTED, NOTHING_TO_TEACH, WAIT, Admission, LeaseLost, Leases
-from streamer.batching import MicroBatcher
 from streamer.bus import Publisher
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect, replicated
 from streamer.errors import StreamerError, WeightsError
 from streamer.keys import Keys
-from streamer.rollout_types import DEFAULT_ROLLOUT, Completion, Episode, RolloutContext, Task
-from streamer.trajectory import PrefixMismatch
+from streamer.rollout.batching import MicroBatcher
+from streamer.rollout.contract import DEFAULT_ROLLOUT, Completion, Episode, RolloutContext, Task
+from streamer.rollout.trajectory import PrefixMismatch
 from streamer.values import check_types, parse_int
 
 log = logging.getLogger(__name__)

@@ -71,8 +71,8 @@ import msgspec
 from producers import httpd
 from producers.httpd import JsonHandler
 from streamer.errors import EpisodeRejected, PrefixMismatch, SamplerError
-from streamer.rollout_types import Completion, Episode, Rollout, RolloutContext, episodes
-from streamer.trajectory import Trajectory
+from streamer.rollout.contract import Completion, Episode, Rollout, RolloutContext, episodes
+from streamer.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def proxied(fn: Agent | None = None, *, max_trim_tokens: int = 0):
     """A rollout running agent ``fn(row, endpoint) -> reward`` once per episode (G at once).
 
     ``max_trim_tokens``: a call may drop that many trailing tokens of the last completion
-    (a client that strips whitespace) and still extend its chain (:mod:`streamer.trajectory`).
+    (a client that strips whitespace) and still extend its chain (:mod:`streamer.rollout.trajectory`).
     """
 
     def wrap(fn: Agent) -> Rollout:

@@ -26,17 +26,16 @@ import inspect
 import logging
 import math
 import re
-from collections.abc import Callable
 
 import anyio
 
 from streamer import demo
 from streamer.errors import EpisodeRejected, RewardUnavailable, SamplerError
 from streamer.imports import load_function
+from streamer.rollout.contract import RewardFn
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[..., float]
 
 DEMO_REWARD = "streamer.demo:reward"
 EXACT_MATCH = "producers.rewards:exact_match"

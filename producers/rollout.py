@@ -48,7 +48,7 @@ from schemas.events import LOGPROB_DTYPE
 from schemas.metric_names import EPISODE_DROP_REASONS
 from streamer.errors import EpisodeRejected, SamplerError
 from streamer.imports import load_function
-from streamer.rollout_types import DEFAULT_ROLLOUT, Episode, FinishReason, Rollout, RolloutContext, Segment
+from streamer.rollout.contract import DEFAULT_ROLLOUT, Episode, FinishReason, Rollout, RolloutContext, Segment
 
 # why an episode (or a whole rollout) was dropped: counted as rollout `episodes_dropped_{reason}`
 REASONS = EPISODE_DROP_REASONS

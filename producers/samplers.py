@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from streamer.rollout_types import Completion, FinishReason, Sampler, SamplerError
+from streamer.rollout.contract import Completion, FinishReason, Sampler, SamplerError
 
 __all__ = ["Completion", "FinishReason", "LocalSampler", "Sampler", "SamplerError", "cut_at_stop"]
 

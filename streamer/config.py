@@ -468,12 +468,8 @@ def _non_finite(section: msgspec.Struct, prefix: str = "") -> tuple[str, float] 
     return None
 
 
-def load_config(path: str | Path | None) -> RunConfig:
-    """Read a TOML run config; None gives the built-in demo's config."""
-    if path is None:
-        from streamer import demo
-
-        return demo.config()
+def load_config(path: str | Path) -> RunConfig:
+    """Read a TOML run config (the built-in demo's is :func:`streamer.demo.config`)."""
     path = Path(path)
     try:
         raw = path.read_bytes()

@@ -57,7 +57,7 @@ def _ready_check(ready: str, ticked: threading.Event):
 
 def _placeholder_roles(ticked: threading.Event) -> None:
     """`up`'s roles become ``sleep``; the first progress tick marks `up` as started."""
-    from streamer import progress, up
+    from streamer.cli import progress, up
 
     up._role_argv = lambda cmd, cfg, args, *extra: ["sleep", "120"]
     tick = progress.Progress.tick

@@ -9,12 +9,12 @@ import pytest
 from bounds import START
 
 from streamer import demo
+from streamer.cli.configdoc import render
 from streamer.config import ConfigError, RunConfig, load_config, parse_config
-from streamer.configdoc import render
 
 
 def test_no_config_is_the_demo():
-    cfg = load_config(None)
+    cfg = demo.config()
     assert cfg.model.name_or_path == "demo" and cfg.producer.dataset == "demo"
     assert cfg.producer.reward == "streamer.demo:reward" and cfg.trainer.steps > 0
 
@@ -105,7 +105,7 @@ def test_config_reference_documents_every_key():
 def test_readme_config_reference_is_current():
     from pathlib import Path
 
-    from streamer.configdoc import sync
+    from streamer.cli.configdoc import sync
 
     readme = Path(__file__).resolve().parent.parent / "README.md"
     assert sync(readme, check=True), "README config reference is stale: streamer config-doc --write README.md"

@@ -18,9 +18,10 @@ from producers.follow import WeightFollower
 from producers.producer import Producer
 from producers.remote_sampler import RemoteSampler
 from schemas import WeightSync
-from streamer import demo, status, tensorfile, weights
+from streamer import demo, tensorfile, weights
 from streamer.bus import entry
 from streamer.config import ConfigError, RunConfig, parse_config, replace
+from streamer.readmodel import snapshot
 
 
 def _sampler(server, engine: engines.Engine) -> RemoteSampler:
@@ -105,7 +106,7 @@ def test_an_engine_that_goes_down_is_waited_out_and_nothing_is_lost(client, keys
         done = threading.Thread(target=producer.run, daemon=True)
         done.start()
         snap = wait_until(
-            lambda: (s := status.snapshot(client, keys)).problems and s,
+            lambda: (s := snapshot(client, keys)).problems and s,
             timeout=60,
             what="status to name the engine",
         )
@@ -116,7 +117,7 @@ def test_an_engine_that_goes_down_is_waited_out_and_nothing_is_lost(client, keys
         assert not done.is_alive(), "the producer did not finish after the engine came back"
     assert producer.published == 6
     assert not client.hlen(keys.row_attempts), "an engine outage was charged to the rows"
-    assert not status.snapshot(client, keys).problems  # cleared once it published again
+    assert not snapshot(client, keys).problems  # cleared once it published again
 
 
 def test_the_trainer_never_publishes_non_finite_weights(client, keys, tmp_path):
@@ -182,7 +183,7 @@ def test_a_model_the_engine_refuses_stops_the_producer_at_start_with_the_reason(
             producer.run()
         assert err.value.refused and server.requests == 1
     assert not client.exists(keys.cursor), "a row was claimed"
-    assert "refused a first completion" in " ".join(status.snapshot(client, keys).problems.values())
+    assert "refused a first completion" in " ".join(snapshot(client, keys).problems.values())
 
 
 def test_the_trainer_warns_once_when_engine_logprobs_disagree_on_fresh_data(caplog):

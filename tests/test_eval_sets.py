@@ -14,10 +14,9 @@ import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumers import saved_state
 from consumers.exporter import Exporter
-from consumers.metrics_state import State
-from producers import eval_sets
+from consumers.metrics_state import State, capture, restore
+from producers import eval_rollouts, eval_sets
 from producers.components import eval_sampler
 from producers.eval_sets import RowScores, pass_at_k, summarize
 from producers.evaluator import Evaluator
@@ -26,12 +25,14 @@ from producers.render import Renderer
 from producers.samplers import Completion
 from schemas import MetricsEvent, WeightSync, decode, encode
 from schemas.metric_names import EVAL
-from streamer import cli, demo, models, plot, rollout_eval, weights
+from streamer import cli, demo, models, weights
 from streamer.bus import Publisher
+from streamer.cli import plot
+from streamer.cli.progress import Progress
 from streamer.config import RunConfig, parse_config, replace
 from streamer.errors import ConfigError, DatasetError
-from streamer.progress import Progress
-from streamer.rollout_types import Episode, Segment, Task
+from streamer.readmodel import read_history
+from streamer.rollout.contract import Episode, Segment, Task
 
 
 def _brute_pass_at_k(n: int, c: int, k: int) -> Fraction:
@@ -115,7 +116,12 @@ def test_eval_sets_of_an_in_process_model_each_publish_their_metrics_and_series(
 ):
     sets = {
         "sampled": {"dataset": "demo", "k": 2, "samples": 3, "temperature": 1.0, "max_rows": 5},
-        "retry": {"dataset": "demo:retry", "rollout": "streamer.tasks:retry", "k": 2, "temperature": 1.0},
+        "retry": {
+            "dataset": "demo:retry",
+            "rollout": "streamer.rollout.tasks:retry",
+            "k": 2,
+            "temperature": 1.0,
+        },
     }
     cfg = _cfg(keys, redis_url, tmp_path, sets=sets, eval={"max_versions": 2})
     ev = _evaluator(cfg, client)
@@ -270,7 +276,7 @@ def test_eval_sets_keep_their_series_across_an_exporter_snapshot_and_their_own_c
     )
     assert served["streamer_eval_pass_at_k", "math"] == 0.75 and served["streamer_eval_k", "math"] == 4
 
-    history = plot.load_history(client, keys)
+    history = read_history(client, keys)
     assert history.headline_set == "default" and history.eval_accuracy == 0.3  # the headline: default
     assert history.eval_by_version.means() == {0: 0.1, 5: 0.3}
     math_curves = history.eval_sets["math"]
@@ -288,11 +294,11 @@ def test_eval_sets_keep_their_series_across_an_exporter_snapshot_and_their_own_c
 def test_eval_sets_restore_a_snapshot_saved_before_sets_under_the_default_set():
     state = State()
     state.apply("1-0", MetricsEvent(axis="eval", step=3, values={"accuracy": 0.5}, source="eval"))
-    snap = saved_state.capture(state)
+    snap = capture(state)
     old = msgspec.structs.replace(  # as an exporter without sets saved it
         snap, gauges={"streamer_eval_accuracy": 0.5}, set_gauges=[], sets={}
     )
-    restored = saved_state.restore(old)
+    restored = restore(old)
     assert restored.set_gauges == {("streamer_eval_accuracy", "default"): 0.5}
     assert "streamer_eval_accuracy" not in restored.gauges
 
@@ -342,6 +348,6 @@ def test_eval_sets_rollouts_get_a_fresh_copy_of_each_row_every_evaluation():
     rows = demo.rows("eval")[:3]
     task = Task(rows=rows, renderer=None, reward_fn=demo.reward, reward_path="streamer.demo:reward")
     for _ in range(2):
-        out = rollout_eval.evaluate(rows, task=task, sampler=object(), rollout=mutating, max_new_tokens=2)
+        out = eval_rollouts.evaluate(rows, task=task, sampler=object(), rollout=mutating, max_new_tokens=2)
         assert [[e.reward for e in eps] for eps in out] == [[2.0]] * 3
     assert all(len(r["messages"]) == 1 for r in rows)

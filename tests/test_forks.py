@@ -20,8 +20,8 @@ from producers.rollout import to_samples
 from schemas import MetricsEvent, TrajectoryGroup, decode, encode
 from streamer.config import RunConfig, TrainerSection, replace
 from streamer.errors import EpisodeRejected, PrefixMismatch
-from streamer.rollout_types import Completion, Task, episodes
-from streamer.trajectory import Trajectory
+from streamer.rollout.contract import Completion, Task, episodes
+from streamer.rollout.trajectory import Trajectory
 
 # Qwen3's rule, reduced: an assistant turn of the history keeps only what follows </think>
 THINKING_TEMPLATE = (

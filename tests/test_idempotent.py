@@ -16,9 +16,9 @@ from consumers.versions import VersionPublisher
 from schemas import MetricsEvent, WeightSync
 from streamer import demo
 from streamer.bus import Publisher, entry_event
+from streamer.cli.progress import Progress
 from streamer.config import RunConfig, replace
 from streamer.connection import connect
-from streamer.progress import Progress
 
 
 @pytest.fixture

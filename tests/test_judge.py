@@ -18,7 +18,7 @@ from schemas import MetricsEvent, TrajectoryGroup, decode
 from streamer import demo
 from streamer.config import RunConfig, replace
 from streamer.errors import ConfigError, DatasetError, RewardUnavailable
-from streamer.rollout_types import Completion, RolloutContext
+from streamer.rollout.contract import Completion, RolloutContext
 
 ROW = {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}
 HOLD_SECONDS = 10.0  # a judge request waits at most this long for the others to arrive

@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 
 from consumers.exporter import Exporter
-from consumers.history import MAX_POINTS, Curve
 from schemas import MetricsEvent
 from streamer.bus import Publisher
+from streamer.cli.progress import Progress
 from streamer.config import RunConfig, replace
 from streamer.connection import connect
 from streamer.keys import Keys
-from streamer.progress import Progress
+from streamer.readmodel.history import MAX_POINTS, Curve
 
 
 def _cfg(redis_url, run):
@@ -88,7 +88,7 @@ def test_an_undecodable_snapshot_is_ignored_and_the_stream_replayed(client, keys
     Publisher(client, keys, cfg.bus).publish_many(keys.metrics, _events(1, 5))
     client.set(keys.metrics_snapshot, b"\x93not a snapshot")
     ex = Exporter(cfg)
-    with caplog.at_level(logging.ERROR, logger="consumers.saved_state"):
+    with caplog.at_level(logging.ERROR, logger="streamer.readmodel.saved"):
         ex.bootstrap()
     assert "does not decode" in caplog.text and sum(ex.state.events.values()) == 10
     ex.close()
@@ -112,7 +112,7 @@ def test_the_progress_view_rides_out_a_server_outage(private_valkey, caplog):
     )
     progress = Progress(cfg, target_steps=0, live=False)
     private_valkey.kill()
-    with caplog.at_level(logging.WARNING, logger="streamer.progress"):
+    with caplog.at_level(logging.WARNING, logger="streamer.cli.progress"):
         progress.tick()
         progress.tick()
     assert [r.getMessage()[:30] for r in caplog.records] == ["progress: server unavailable ("]

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
-from consumers.history import History
 from schemas import MetricsEvent
-from streamer import cli, plot
+from streamer import cli
 from streamer.bus import Publisher
+from streamer.cli import plot
 from streamer.config import RunConfig
+from streamer.readmodel import History, read_history
 
 
 def _events(n: int) -> list[MetricsEvent]:
@@ -29,7 +30,7 @@ def _events(n: int) -> list[MetricsEvent]:
 def test_plot_draws_three_panels_from_the_metrics_stream(client, keys, redis_url, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     Publisher(client, keys, RunConfig().bus).publish_many(keys.metrics, _events(40))
-    history = plot.load_history(client, keys)
+    history = read_history(client, keys)
     assert history.train_step == 40 and len(history.eval_by_version.points) == 8
     out = tmp_path / "run.png"
     assert cli.main(["plot", "--run", keys.run, "--redis-url", redis_url, "--out", str(out)]) == 0

@@ -19,8 +19,8 @@ from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from streamer import demo, weights
 from streamer.config import RunConfig, replace
 from streamer.errors import ConfigError, EpisodeRejected
-from streamer.rollout_types import Completion, Episode, Segment, episodes
-from streamer.trajectory import Trajectory
+from streamer.rollout.contract import Completion, Episode, Segment, episodes
+from streamer.rollout.trajectory import Trajectory
 
 
 def _cfg(keys, redis_url, tmp_path, max_seq_len: int = 0, **producer) -> RunConfig:
@@ -231,7 +231,7 @@ def test_a_prefix_mismatch_is_counted_and_never_trained(keys, redis_url, tmp_pat
 
 
 def test_concurrent_engine_calls_on_a_local_model_are_batched():
-    from streamer.batching import MicroBatcher
+    from streamer.rollout.batching import MicroBatcher
 
     calls = []
 

@@ -16,7 +16,7 @@ from producers.proxy import Endpoint, proxied, server
 from schemas import MetricsEvent, TrajectoryGroup, decode
 from streamer import demo
 from streamer.config import RunConfig, replace
-from streamer.rollout_types import Completion, RolloutContext
+from streamer.rollout.contract import Completion, RolloutContext
 
 ROW = {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}
 

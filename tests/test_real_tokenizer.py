@@ -14,8 +14,8 @@ from producers.rollout import to_sample
 from producers.samplers import LocalSampler
 from streamer import models
 from streamer.config import ModelSection
-from streamer.rollout_types import Completion
-from streamer.trajectory import PrefixMismatch, Trajectory
+from streamer.rollout.contract import Completion
+from streamer.rollout.trajectory import PrefixMismatch, Trajectory
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = (
@@ -158,7 +158,7 @@ def test_an_openai_agent_with_tools_round_trips_through_the_proxy(model_dir):
     import openai
 
     from producers.proxy import proxied
-    from streamer.rollout_types import RolloutContext, Task
+    from streamer.rollout.contract import RolloutContext, Task
 
     tok = models.load_tokenizer(ModelSection(name_or_path=str(model_dir)))
     renderer = Renderer(tok)

@@ -15,11 +15,13 @@ from producers.components import Task, build
 from producers.dataset import Order
 from producers.producer import Producer
 from schemas import MetricsEvent, TrajectoryGroup, decode
-from streamer import status, up
 from streamer.admission import NOTHING_TO_TEACH, Admission, Leases
+from streamer.cli import up
+from streamer.cli.progress import Progress
+from streamer.cli.status import render
 from streamer.config import RunConfig, parse_config, replace
 from streamer.errors import ConfigError
-from streamer.progress import Progress
+from streamer.readmodel import snapshot
 
 ROWS = 4
 ORDER = Order(ROWS, seed=0, shuffle=False)  # ticket t is row t % 4
@@ -136,9 +138,9 @@ def test_a_producer_stops_when_nothing_is_left_to_teach_and_the_run_says_so(
     assert len(said) == 1 and "every row is solved (2 of 2)" in said[0]
     events = [decode(f[b"d"], MetricsEvent) for _, f in client.xrange(keys.metrics)]
     assert events[-1].values["nothing_to_teach"] == 1.0 and events[-1].values["rows_active"] == 0
-    snap = status.snapshot(client, keys)
+    snap = snapshot(client, keys)
     assert snap.nothing_to_teach and not snap.stalled and (snap.rows_total, snap.rows_solved) == (2, 2)
-    text = status.render(snap)
+    text = render(snap)
     assert "0 active, 2 solved, 0 unsolvable" in text and "nothing left to teach" in text
     p.close()
 

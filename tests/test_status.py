@@ -14,8 +14,8 @@ from streamer.bus import FIELD, Publisher
 from streamer.config import RunConfig
 from streamer.connection import connect
 from streamer.keys import Keys
+from streamer.readmodel.health import snapshot
 from streamer.server import EmbeddedServer
-from streamer.status import snapshot
 
 
 def seed_run(client, keys: Keys, *, policy_age: float = 2.0, waiting: bool = True) -> float:

@@ -1,4 +1,4 @@
-"""The multi-turn tasks (streamer/tasks.py): scripted episodes check their trajectories
+"""The multi-turn tasks (streamer/rollout/tasks.py): scripted episodes check their trajectories
 (tool results and feedback at weight 0, per-turn versions), and `streamer up --task tools`
 for a short run shows reward rising."""
 
@@ -15,8 +15,9 @@ import pytest
 
 from producers.components import load_task
 from producers.rollout import to_sample
-from streamer import demo, tasks
-from streamer.rollout_types import Completion, RolloutContext
+from streamer import demo
+from streamer.rollout import tasks
+from streamer.rollout.contract import Completion, RolloutContext
 
 ROOT = Path(__file__).resolve().parents[1]
 

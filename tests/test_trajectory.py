@@ -13,8 +13,8 @@ from producers.render import Renderer
 from producers.rollout import EpisodeRejected, to_sample
 from schemas import DecodeError, Sample, Span, TrajectoryGroup, decode, encode
 from streamer import demo
-from streamer.rollout_types import Completion, Episode, Segment
-from streamer.trajectory import PrefixMismatch, Trajectory
+from streamer.rollout.contract import Completion, Episode, Segment
+from streamer.rollout.trajectory import PrefixMismatch, Trajectory
 
 
 def _c(ids, version=0, lp=-0.5):

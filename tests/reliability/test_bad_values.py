@@ -15,10 +15,10 @@ from trainer_data import REPO, make_group, publish
 
 from consumers.archive import Archiver
 from streamer import demo
+from streamer.cli.progress import Progress
 from streamer.config import RunConfig, replace
 from streamer.connection import connect
 from streamer.keys import Keys
-from streamer.progress import Progress
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from producers.components import build
 from producers.producer import Producer
 from schemas import MetricsEvent, TrajectoryGroup, decode
 from streamer.config import RunConfig, replace
-from streamer.rollout_types import Episode, Segment, episodes
+from streamer.rollout.contract import Episode, Segment, episodes
 
 
 class RawServer:

@@ -20,7 +20,7 @@ import pytest
 from producers.components import load_task
 from producers.proxy import MAX_PROMPT_TOKENS, ProxyServer
 from streamer import demo
-from streamer.rollout_types import Completion, RolloutContext
+from streamer.rollout.contract import Completion, RolloutContext
 
 ROW = {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}
 GOOD = json.dumps({"model": "m", "messages": ROW["messages"]}).encode()

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from producers.components import build
 from producers.producer import SYSTEMIC_ROWS, Producer
-from streamer import status
 from streamer.config import RunConfig, replace
-from streamer.rollout_types import episodes
+from streamer.readmodel import snapshot
+from streamer.rollout.contract import episodes
 
 
 def test_rows_failing_the_same_way_are_not_charged_and_status_names_it(client, keys, redis_url, tmp_path):
@@ -45,17 +45,17 @@ def test_rows_failing_the_same_way_are_not_charged_and_status_names_it(client, k
     assert not client.hlen(keys.row_attempts), "failures charged to the rows were not forgiven"
     assert not client.hlen(keys.skipped_rows), "rows stayed skipped for a failure that was not theirs"
     assert len(producer.backoffs) == 10 - before and producer.backoffs == sorted(producer.backoffs)
-    problems = status.snapshot(client, keys).problems
+    problems = snapshot(client, keys).problems
     assert "every row fails the same way" in problems.get("producer p", ""), problems
 
     broken["on"] = False
     assert producer.step() == "published"
-    assert not status.snapshot(client, keys).problems, "the problem stayed after a rollout worked"
+    assert not snapshot(client, keys).problems, "the problem stayed after a rollout worked"
     producer.close()
 
 
 def _episode(ctx, row, completion):
-    from streamer.trajectory import Trajectory
+    from streamer.rollout.trajectory import Trajectory
 
     t = Trajectory(ctx.task.renderer.render(row))
     t.extend(t.next_prompt(), completion)

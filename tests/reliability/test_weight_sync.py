@@ -136,7 +136,8 @@ def test_a_producer_that_cannot_load_three_versions_in_a_row_stops_and_status_na
     manifest check passes) is refused before it is copied into the model; the producer does
     not go on sampling version 0 for ever, nor charge the failures to the rows."""
     from producers import follow
-    from streamer import status
+    from streamer.cli.status import render
+    from streamer.readmodel import snapshot
 
     monkeypatch.setattr(follow, "RETRY_SECONDS", 0.01)
     cfg = _cfg(keys, redis_url, tmp_path)
@@ -159,8 +160,8 @@ def test_a_producer_that_cannot_load_three_versions_in_a_row_stops_and_status_na
     assert f"gave up after {follow.MAX_LOAD_FAILURES} failed loads" in message
     assert _same(before, _params(sampler.model))  # nothing of the bad file was copied in
     assert not client.hlen(keys.row_attempts), "a version that does not load is not the rows' fault"
-    snap = status.snapshot(client, keys)
+    snap = snapshot(client, keys)
     assert snap.stalled and any(
         "producer p" in r and "cannot load policy version 1" in r for r in snap.reasons
     )
-    assert "problems" in status.render(snap)
+    assert "problems" in render(snap)

@@ -1,7 +1,7 @@
 """Two multi-turn tasks beside the addition demo, on the demo's tokenizer and tiny model.
 
 Both are rollout functions (``producer.rollout``) that run G independent episodes per row
-and stitch every engine call token-exactly with :class:`streamer.trajectory.Trajectory`.
+and stitch every engine call token-exactly with :class:`streamer.rollout.trajectory.Trajectory`.
 ``streamer up --task NAME`` runs one. The demo vocabulary has only digits, ``+``, ``=``
 and the chat specials, so the environment speaks in those.
 
@@ -30,8 +30,8 @@ from __future__ import annotations
 import hashlib
 
 from streamer import demo
-from streamer.rollout_types import Completion, RolloutContext, episodes
-from streamer.trajectory import Trajectory
+from streamer.rollout.contract import Completion, RolloutContext, episodes
+from streamer.rollout.trajectory import Trajectory
 
 TASKS = ("retry", "tools")
 RETRY_ATTEMPTS = 3
@@ -54,7 +54,7 @@ def config(name: str):
         run={"name": name},
         producer={
             "dataset": f"demo:{name}",
-            "rollout": f"streamer.tasks:{name}",
+            "rollout": f"streamer.rollout.tasks:{name}",
             "concurrency": 2,
         },
         trainer={"max_seq_len": 64},

@@ -26,7 +26,7 @@ model saw.
 from __future__ import annotations
 
 from streamer.errors import PrefixMismatch
-from streamer.rollout_types import Completion, Episode, Segment
+from streamer.rollout.contract import Completion, Episode, Segment
 
 
 class Trajectory:

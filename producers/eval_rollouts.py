@@ -20,9 +20,9 @@ import logging
 
 import anyio
 
-from streamer.batching import MicroBatcher
 from streamer.errors import SamplerError
-from streamer.rollout_types import Episode, Rollout, RolloutContext, SampleFn, Task
+from streamer.rollout.batching import MicroBatcher
+from streamer.rollout.contract import Episode, Rollout, RolloutContext, SampleFn, Task
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The typed contract of the extension points: rollouts, samplers, rewards, group filters.
+"""The typed contract of the extension points: rollouts, samplers, rewards.
 
 A producer's work per dataset row is a **rollout function**, named by import path in
 ``producer.rollout`` (``"pkg.module:fn"``)::
@@ -9,7 +9,7 @@ It returns the G episodes of the row's group. It may call the sampler as often a
 (``await ctx.sample(prompt_ids, n=...)``), and returns each episode as token-native
 :class:`Segment` s: context tokens (the prompt, tool results, environment messages: never
 trained) and sampled tokens (with the sampler's log-prob of each token and the policy
-version that sampled them). Text is never re-tokenized; :mod:`streamer.trajectory` folds
+version that sampled them). Text is never re-tokenized; :mod:`streamer.rollout.trajectory` folds
 successive engine calls into one episode and enforces the prefix invariant.
 
 Write the G episodes as independent coroutines with :func:`episodes`: it runs
@@ -26,11 +26,10 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
+from schemas.events import FinishReason
 from streamer.errors import SamplerError
-
-FinishReason = Literal["stop", "length"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +81,6 @@ class Renderer(Protocol):
 
 
 RewardFn = Callable[..., float]  # (row, completion_text, completion) -> float
-GroupFilter = Callable[["object"], bool]  # (TrajectoryGroup) -> bool; False rejects the group
 
 
 @dataclass(frozen=True)

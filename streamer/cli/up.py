@@ -27,13 +27,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamer import plot
+from streamer.cli import plot
+from streamer.cli.progress import Progress
 from streamer.config import URL_ENV, RunConfig, replace
 from streamer.connection import connect, redact
 from streamer.errors import ConfigError
 from streamer.keys import Keys
 from streamer.lifecycle import Child, QuietStdout
-from streamer.progress import Progress
 from streamer.rundir import (
     ENGINE_CONFIG,
     ENGINE_MODEL,

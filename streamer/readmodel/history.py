@@ -5,7 +5,7 @@ rollout reward and eval accuracy against policy version (and each eval set's mea
 pass@k), loss and staleness against train step. Each curve is a :class:`Curve` of (sum, count) per x bucket; past ``MAX_POINTS``
 buckets the bucket width doubles and neighbours merge, so a curve holds at most
 ``MAX_POINTS`` points over any number of steps. It is a msgspec Struct: the exporter
-saves it inside its state snapshot (:mod:`consumers.saved_state`), so the metrics stream can
+saves it inside its state snapshot (:mod:`streamer.readmodel.saved`), so the metrics stream can
 be trimmed and the curves still cover the whole run.
 """
 

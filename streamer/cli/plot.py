@@ -2,7 +2,7 @@
 
 Four panels, each on its own step axis: rollout reward and eval accuracy against policy
 version; every eval set's mean@k (solid) and pass@k (dashed) against policy version; loss
-against train step; staleness (mean version lag of a step's groups) against train step. The data is the run's :class:`~consumers.history.History`: the
+against train step; staleness (mean version lag of a step's groups) against train step. The data is the run's :class:`~streamer.readmodel.history.History`: the
 exporter's snapshot plus the metrics stream after it (the stream itself is trimmed), or
 `up`'s progress view, which holds the same fold, when `up` finishes.
 
@@ -17,27 +17,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from consumers import saved_state
-from consumers.history import History
-from consumers.metrics_state import SeenIds
-from schemas import MetricsEvent
-from streamer.bus import scan
 from streamer.config import RunConfig
 from streamer.connection import connect, redact
 from streamer.keys import Keys
-
-
-def load_history(client, keys: Keys) -> History | None:
-    """The exporter's snapshot plus the stream after it; None when the run has neither."""
-    snap = saved_state.load(client, keys.metrics_snapshot)
-    history = snap.history if snap else History()
-    seen = SeenIds(ids=snap.seen if snap else ())
-    found = snap is not None
-    for _, event in scan(client, keys.metrics, MetricsEvent, after=snap.last_id if snap else "-"):
-        found = True
-        if event is not None and seen.add(event.id):
-            history.apply(event)
-    return history if found else None
+from streamer.readmodel.history import History
+from streamer.readmodel.saved import read_history
 
 
 def draw(history: History, path: Path, *, title: str) -> Path:
@@ -101,7 +85,7 @@ def save_quietly(history: History, path: Path, *, title: str) -> Path | None:
 def main(cfg: RunConfig, args: argparse.Namespace) -> int:
     keys = Keys(cfg.run.name)
     client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout)
-    history = load_history(client, keys)
+    history = read_history(client, keys)
     if history is None:
         print(
             f"streamer plot: no metrics for run {cfg.run.name!r} on {redact(cfg.run.redis_url)}",

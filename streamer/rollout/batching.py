@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from streamer.rollout_types import Completion
+from streamer.rollout.contract import Completion
 
 # (prompts, n, settings) -> completions per prompt
 RunBatch = Callable[..., Awaitable[list[list[Completion]]]]
@@ -29,7 +29,7 @@ YIELDS = 3  # event-loop turns the first caller waits for others to join its bat
 @dataclass
 class _Call:
     prompt: list[int]
-    key: tuple  # (n, temperature, top_p, max_new_tokens): calls batch only with equal keys
+    key: tuple  # the sorted sampling settings: calls batch only with equal keys
     seed: int | None
     done: anyio.Event = field(default_factory=anyio.Event)
     result: list[Completion] | None = None
@@ -43,17 +43,10 @@ class MicroBatcher:
         self._flushing = False
         self.batches = 0  # generate calls made (for tests and logs)
 
-    async def sample(
-        self,
-        prompt_ids: list[int],
-        *,
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: int,
-        seed: int | None = None,
-    ) -> list[Completion]:
-        call = _Call(list(prompt_ids), (n, temperature, top_p, max_new_tokens), seed)
+    async def sample(self, prompt_ids: list[int], *, seed: int | None = None, **settings) -> list[Completion]:
+        """:meth:`Sampler.sample`'s call, answered from a batch of every call with the same
+        ``settings`` (n, temperature, top_p, max_new_tokens)."""
+        call = _Call(list(prompt_ids), tuple(sorted(settings.items())), seed)
         self._queue.append(call)
         if not self._flushing:
             self._flushing = True
@@ -74,17 +67,9 @@ class MicroBatcher:
             key = self._queue[0].key
             batch = [c for c in self._queue if c.key == key]
             self._queue = [c for c in self._queue if c.key != key]
-            n, temperature, top_p, max_new_tokens = key
             self.batches += 1
             try:
-                out = await self.run_batch(
-                    [c.prompt for c in batch],
-                    n=n,
-                    temperature=temperature,
-                    top_p=top_p,
-                    max_new_tokens=max_new_tokens,
-                    seed=batch[0].seed,
-                )
+                out = await self.run_batch([c.prompt for c in batch], **dict(key), seed=batch[0].seed)
                 for c, completions in zip(batch, out, strict=True):
                     c.result = completions
             except Exception as e:  # every call of the batch fails with it

@@ -1,7 +1,7 @@
 """The live view of a run, read from the server like any other reader: `up` prints it.
 
 It follows the metrics stream with a plain XREAD (no consumer group, so it takes nothing
-from the exporter), folding events into a :class:`~consumers.history.History`; a resumed
+from the exporter), folding events into a :class:`~streamer.readmodel.history.History`; a resumed
 run starts from the exporter's snapshot. It reads the version counter and the trainer
 group's lag.
 """
@@ -15,14 +15,13 @@ import threading
 import time
 from collections import deque
 
-from consumers import saved_state
-from consumers.history import WINDOW, History
-from consumers.metrics_state import SeenIds
 from schemas import MetricsEvent
 from streamer.bus import Tail, unacked
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect
 from streamer.keys import Keys
+from streamer.readmodel.history import WINDOW
+from streamer.readmodel.saved import Curves
 from streamer.values import DataError, parse_int
 
 log = logging.getLogger(__name__)
@@ -38,12 +37,9 @@ class Progress:
         self.live = live and sys.stdout.isatty()
         # a resumed run: the exporter's snapshot, then the metrics stream after it (it is
         # trimmed behind the snapshots)
-        snap = saved_state.load(self.client, self.keys.metrics_snapshot)
-        self.history = snap.history if snap else History()
-        self.seen = SeenIds(ids=snap.seen if snap else ())
-        self.tail = Tail(
-            self.client, self.keys.metrics, as_type=MetricsEvent, last_id=snap.last_id if snap else "0"
-        )
+        self.curves = Curves(self.client, self.keys)
+        self.history = self.curves.history
+        self.tail = Tail(self.client, self.keys.metrics, as_type=MetricsEvent, last_id=self.curves.last_id)
         self._rate: deque[tuple[float, int]] = deque(maxlen=30)
         self._last_print = 0.0
         self._down = False  # the server did not answer the last tick
@@ -81,9 +77,8 @@ class Progress:
     def update(self) -> None:
         h = self.history
         for e in self.tail.poll(count=10_000):
-            if not self.seen.add(e.id):
+            if not self.curves.apply(e):
                 continue  # a copy written by a retry
-            h.apply(e)
             if e.axis == "rollout" and e.values.get("nothing_to_teach"):
                 self.nothing_to_teach = True  # a producer found every row solved
             if len(h.recent_rewards) == WINDOW and (h.reward() or 0.0) >= THRESHOLD:

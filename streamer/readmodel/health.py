@@ -1,22 +1,23 @@
-"""`streamer status`: one look at a run's streams, policy, producers and dead letters.
+"""A run's health as the server holds it: streams, policy, producers, rows, dead letters.
 
 :func:`snapshot` reads everything in one pipelined round trip (plus one per consumer
-group whose lag the server cannot report); the metrics exporter samples stream health
-with the same function, so the table and the Prometheus series never disagree.
+group whose lag the server cannot report). `streamer status` renders it and the metrics
+exporter samples it, so the table and the Prometheus series never disagree. Every read
+is a named query in :data:`QUERIES` (the key it reads and the command), and the snapshot
+is assembled from the replies by name.
 
 A run is *stalled* when trajectory groups wait for the trainer (its group's lag plus
 pending is above zero) and no new policy version has appeared for
 ``metrics.stall_seconds`` (measured from the newest ``WeightSync``, or from the first
-trajectory entry when there is none yet). ``main`` then exits 1, so scripts and cron
-jobs can act on it. A finished run whose trainer stopped with groups still queued also
-reads as stalled: nothing consumes them.
+trajectory entry when there is none yet). A finished run whose trainer stopped with
+groups still queued also reads as stalled: nothing consumes them.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import msgspec
 import redis
@@ -25,8 +26,7 @@ from schemas import DeadLetter, DecodeError, WeightSync
 from streamer import problems
 from streamer.admission import admission_limit
 from streamer.bus import as_str, entry_event, group_lag
-from streamer.config import RunConfig
-from streamer.connection import TRANSIENT, connect, redact
+from streamer.connection import TRANSIENT
 from streamer.keys import TRAINER_GROUP, Keys
 from streamer.rows import from_replies
 from streamer.values import DataError, parse_int
@@ -122,6 +122,56 @@ class Snapshot(msgspec.Struct, kw_only=True):
         return next(s for s in self.streams if s.name == name)
 
 
+class Query(NamedTuple):
+    key: str  # the Keys attribute it reads
+    command: str  # the redis-py command
+    args: Callable[[float, int], dict] = lambda now, dead_last: {}  # keyword arguments
+
+
+STREAMS = ("traj", "policy", "metrics", "dead")  # short names, each also a Keys attribute
+
+QUERIES: dict[str, Query] = {
+    **{f"{s}_info": Query(s, "xinfo_stream") for s in STREAMS},
+    **{f"{s}_groups": Query(s, "xinfo_groups") for s in STREAMS},
+    "syncs": Query("policy", "xrevrange", lambda now, n: {"count": RATE_WINDOW}),
+    "beats": Query(
+        "producers", "zrevrange", lambda now, n: {"start": 0, "end": SHOWN_PRODUCERS - 1, "withscores": True}
+    ),
+    "live": Query("producers", "zcount", lambda now, n: {"min": now - LIVE_SECONDS, "max": "+inf"}),
+    "known": Query("producers", "zcard"),
+    "dead_rows": Query("dead", "xrevrange", lambda now, n: {"count": n}),
+    "admitted": Query("admitted", "get"),
+    "limits": Query("limits", "hgetall"),
+    "version": Query("version", "get"),
+    "rejected": Query("rejected_since_step", "hgetall"),
+    "marker": Query("run_marker", "hgetall"),
+    "skipped": Query("skipped_rows", "hlen"),
+    "skipped_some": Query("skipped_rows", "hscan", lambda now, n: {"count": SHOWN_SKIPPED}),
+    "problems": Query("problems", "hgetall"),
+    "row_count": Query("row_count", "get"),
+    "last_look": Query("last_look", "get"),
+    "cursor": Query("cursor", "get"),
+    "solved": Query("rows_solved", "scard"),
+    "unsolvable": Query("rows_unsolvable", "scard"),
+    "leases": Query("leases", "zcard"),
+}
+
+
+def read(client: redis.Redis, keys: Keys, *, now: float, dead_last: int = 5) -> dict:
+    """Every query's reply by name, in one round trip; a key that cannot be read is named."""
+    pipe = client.pipeline(transaction=False)
+    for q in QUERIES.values():
+        getattr(pipe, q.command)(getattr(keys, q.key), **q.args(now, dead_last))
+    replies = dict(zip(QUERIES, pipe.execute(raise_on_error=False)))
+    for name, r in replies.items():
+        if isinstance(r, TRANSIENT):  # the server (a cluster) is down, not the key bad
+            raise r
+        if isinstance(r, Exception) and not _missing(r):
+            key = getattr(keys, QUERIES[name].key)
+            raise DataError(f"{key} cannot be read ({r}); fix or delete it (`DEL {key}`)")
+    return replies
+
+
 def snapshot(
     client: redis.Redis,
     keys: Keys,
@@ -133,65 +183,20 @@ def snapshot(
 ) -> Snapshot:
     """Read the run's health from the server; ``stalled``/``reasons`` filled in."""
     now = time.time() if now is None else now
-    named = {"traj": keys.traj, "policy": keys.policy, "metrics": keys.metrics, "dead": keys.dead}
-    pipe = client.pipeline(transaction=False)
-    for key in named.values():
-        pipe.xinfo_stream(key)
-        pipe.xinfo_groups(key)
-    pipe.xrevrange(keys.policy, count=RATE_WINDOW)
-    pipe.zrevrange(keys.producers, 0, SHOWN_PRODUCERS - 1, withscores=True)
-    pipe.zcount(keys.producers, now - LIVE_SECONDS, "+inf")
-    pipe.zcard(keys.producers)
-    pipe.xrevrange(keys.dead, count=dead_last)
-    pipe.get(keys.admitted)
-    pipe.hgetall(keys.limits)
-    pipe.get(keys.version)
-    pipe.hgetall(keys.rejected_since_step)
-    pipe.hgetall(keys.run_marker)
-    pipe.hlen(keys.skipped_rows)
-    pipe.hscan(keys.skipped_rows, count=SHOWN_SKIPPED)
-    pipe.hgetall(keys.problems)
-    for key in (keys.row_count, keys.last_look, keys.cursor):
-        pipe.get(key)
-    pipe.scard(keys.rows_solved)
-    pipe.scard(keys.rows_unsolvable)
-    pipe.zcard(keys.leases)
-    res = pipe.execute(raise_on_error=False)
-    read = [k for key in named.values() for k in (key, key)] + [
-        *(keys.policy, keys.producers, keys.producers, keys.producers, keys.dead, keys.admitted),
-        *(keys.limits, keys.version, keys.rejected_since_step, keys.run_marker),
-        *(keys.skipped_rows, keys.skipped_rows, keys.problems),
-        *(keys.row_count, keys.last_look, keys.cursor, keys.rows_solved, keys.rows_unsolvable, keys.leases),
-    ]
-    for key, r in zip(read, res):
-        if isinstance(r, TRANSIENT):  # the server (a cluster) is down, not the key bad
-            raise r
-        if isinstance(r, Exception) and not _missing(r):
-            raise DataError(f"{key} cannot be read ({r}); fix or delete it (`DEL {key}`)")
+    r = read(client, keys, now=now, dead_last=dead_last)
     streams = [
-        _stream(client, name, key, res[2 * i], res[2 * i + 1]) for i, (name, key) in enumerate(named.items())
+        _stream(client, name, getattr(keys, name), r[f"{name}_info"], r[f"{name}_groups"]) for name in STREAMS
     ]
-    (
-        policy_rows,
-        beats,
-        live,
-        known,
-        dead_rows,
-        admitted,
-        limits,
-        version,
-        rejected,
-        marker,
-        *skipped,
-        trouble,
-    ) = res[2 * len(named) : -6]
-    counts = from_replies(*res[-6:])
-    parse_int(version, keys.version, default=0)  # not shown, but a bad one is named here too
+    counts = from_replies(
+        r["row_count"], r["last_look"], r["cursor"], r["solved"], r["unsolvable"], r["leases"]
+    )
+    parse_int(r["version"], keys.version, default=0)  # not shown, but a bad one is named here too
     limits = {
-        as_str(k): parse_int(v, f"{keys.limits} {as_str(k)}") for k, v in _hash(limits, keys.limits).items()
+        as_str(k): parse_int(v, f"{keys.limits} {as_str(k)}")
+        for k, v in _hash(r["limits"], keys.limits).items()
     }
-    marker = {as_str(k): as_str(v) for k, v in _hash(marker, keys.run_marker).items()}
-    syncs = _decode_rows(policy_rows, WeightSync)
+    marker = {as_str(k): as_str(v) for k, v in _hash(r["marker"], keys.run_marker).items()}
+    syncs = _decode_rows(r["syncs"], WeightSync)
     snap = Snapshot(
         run=keys.run,
         redis_url=redis_url,
@@ -199,33 +204,30 @@ def snapshot(
         streams=streams,
         policy=_policy(syncs[0], now) if syncs else None,
         step_rate=_step_rate(syncs),
-        live_producers=int(live),
-        known_producers=int(known),
+        live_producers=int(r["live"]),
+        known_producers=int(r["known"]),
         producers=[
             ProducerInfo(
-                id=as_str(m),
-                last_beat=float(t),
-                age_seconds=max(0.0, now - t),
-                live=now - t <= LIVE_SECONDS,
+                id=as_str(m), last_beat=float(t), age_seconds=max(0.0, now - t), live=now - t <= LIVE_SECONDS
             )
-            for m, t in beats
+            for m, t in r["beats"]
         ],
         dead_letters=streams[3].entries_added,
-        dead_last=[_dead(d) for d in _decode_rows(dead_rows, DeadLetter)],
-        admitted=parse_int(admitted, keys.admitted, default=0),
+        dead_last=[_dead(d) for d in _decode_rows(r["dead_rows"], DeadLetter)],
+        admitted=parse_int(r["admitted"], keys.admitted, default=0),
         limits=limits,
         admission_limit=_admission_limit(limits),
         waiting_groups=_waiting(streams[0]),
         rejected_since_step={
             as_str(k): parse_int(v, keys.rejected_since_step)
-            for k, v in _hash(rejected, keys.rejected_since_step).items()
+            for k, v in _hash(r["rejected"], keys.rejected_since_step).items()
         },
         trainer_state=marker.get("trainer", ""),
-        skipped_rows=int(skipped[0] or 0),
-        skipped_last={as_str(k): as_str(v) for k, v in list(skipped[1][1].items())[:SHOWN_SKIPPED]},
+        skipped_rows=int(r["skipped"] or 0),
+        skipped_last={as_str(k): as_str(v) for k, v in list(r["skipped_some"][1].items())[:SHOWN_SKIPPED]},
         problems={
-            who: f"{p.what} ({_age(max(0.0, now - p.at))} ago)"
-            for who, p in sorted(problems.parse(_hash(trouble, keys.problems)).items())
+            who: f"{p.what} ({age(max(0.0, now - p.at))} ago)"
+            for who, p in sorted(problems.parse(_hash(r["problems"], keys.problems)).items())
         },
         rows_total=counts.total,
         rows_solved=counts.solved,
@@ -247,7 +249,7 @@ def stall_reasons(snap: Snapshot, *, stall_seconds: float) -> list[str]:
     if since is None or snap.at - since <= stall_seconds:
         return out
     what = f"policy version {snap.policy.version}" if snap.policy else "a first policy version"
-    head = f"no new policy version for {_age(snap.at - since)} (last: {what})"
+    head = f"no new policy version for {age(snap.at - since)} (last: {what})"
     if snap.waiting_groups:
         out.append(
             f"{head} while {snap.waiting_groups} trajectory groups wait for the trainer "
@@ -357,10 +359,7 @@ def _id_time(entry_id) -> float:
     return int(as_str(entry_id).partition("-")[0]) / 1000.0
 
 
-# ---------------------------------------------------------------- rendering
-
-
-def _age(seconds: float | None) -> str:
+def age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     if seconds < 60:
@@ -368,87 +367,3 @@ def _age(seconds: float | None) -> str:
     if seconds < 3600:
         return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> list[str]:
-    cells = [list(map(str, headers))] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
-
-
-def render(snap: Snapshot) -> str:
-    """The human view: a few short tables, one screen."""
-    p = snap.policy
-    rate = "-" if snap.step_rate is None else f"{snap.step_rate:.3g} steps/s"
-    lines = [f"run {snap.run} on {snap.redis_url}"]
-    if p:
-        lines.append(
-            f"policy      version {p.version} (step {p.step}), {_age(p.age_seconds)} ago; trainer {rate}"
-        )
-    else:
-        lines.append("policy      no version published yet")
-    limit = "" if snap.admission_limit is None else f" of {snap.admission_limit}"
-    lines.append(
-        f"admission   {snap.admitted}{limit} slots held; {snap.waiting_groups} groups wait for the trainer"
-    )
-    lines.append("streams")
-    rows = []
-    for s in snap.streams:
-        for i, g in enumerate(s.groups or [None]):
-            head = (s.name, s.length, s.entries_added) if i == 0 else ("", "", "")
-            rows.append((*head, *((g.name, g.lag, g.pending, g.consumers) if g else ("-", "", "", ""))))
-    lines += _table(("STREAM", "LENGTH", "ADDED", "GROUP", "LAG", "PENDING", "CONSUMERS"), rows)
-    if snap.rows_total:
-        active = snap.rows_total - snap.rows_solved - snap.rows_unsolvable
-        lines.append(
-            f"rows        {active} active, {snap.rows_solved} solved, {snap.rows_unsolvable} unsolvable "
-            f"(of {snap.rows_total}; solved and unsolvable rows are set aside)"
-        )
-    lines.append(f"producers   {snap.live_producers} live of {snap.known_producers} known")
-    if snap.producers:
-        lines += _table(
-            ("PRODUCER", "LAST BEAT", "STATE"),
-            [(q.id, f"{_age(q.age_seconds)} ago", "live" if q.live else "gone") for q in snap.producers],
-        )
-    if snap.skipped_rows:
-        lines.append(f"skipped rows {snap.skipped_rows} (each failed producer.max_row_attempts times)")
-        lines += _table(("TICKET", "WHY"), [(t, why[:100]) for t, why in snap.skipped_last.items()])
-    if snap.problems:
-        lines.append("problems")
-        lines += _table(("WHO", "WHAT"), [(who, what[:140]) for who, what in snap.problems.items()])
-    lines.append(f"dead letters {snap.dead_letters}")
-    if snap.dead_last:
-        lines += _table(
-            ("WHEN", "STREAM", "ENTRY", "REASON"),
-            [(f"{_age(snap.at - d.at)} ago", d.stream, d.entry_id, d.reason[:100]) for d in snap.dead_last],
-        )
-    if snap.stalled:
-        lines.append("STALLED: " + "; ".join(snap.reasons))
-    elif snap.nothing_to_teach:
-        lines.append("status      done: nothing left to teach (every row is solved)")
-    else:
-        lines.append("status      ok")
-    return "\n".join(lines)
-
-
-def main(cfg: RunConfig, args: argparse.Namespace) -> int:
-    """Print the run's status; exit 1 when it looks stalled."""
-    url = cfg.require_redis_url()
-    client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-status")
-    keys = Keys(cfg.run.name)
-    try:
-        snap = snapshot(client, keys, redis_url=redact(url), stall_seconds=cfg.metrics.stall_seconds)
-        if not client.exists(keys.run_marker) and (found := checkpoint_names(cfg.checkpoint_dir)):
-            snap.data_lost = (
-                f"checkpoint {found[0]} exists in {cfg.checkpoint_dir} but the server has no state for "
-                "the run; start the trainer to resume from it (or restore the server's data first)"
-            )
-            snap.reasons = stall_reasons(snap, stall_seconds=cfg.metrics.stall_seconds)
-            snap.stalled = True
-    finally:
-        client.close()
-    if getattr(args, "json", False):
-        print(msgspec.json.format(msgspec.json.encode(snap), indent=2).decode())
-    else:
-        print(render(snap))
-    return 1 if snap.stalled else 0

@@ -13,6 +13,7 @@ import sys
 
 import redis
 
+from streamer import demo
 from streamer.config import URL_ENV, RunConfig, load_config, replace
 from streamer.errors import ConfigError, StreamerError
 
@@ -20,17 +21,17 @@ log = logging.getLogger("streamer")
 
 # subcommand -> "module:function(cfg, args) -> int"
 ROLES = {
-    "up": "streamer.up:main",
+    "up": "streamer.cli.up:main",
     "train": "consumers.trainer:main",
     "produce": "producers.producer:main",
     "eval": "producers.evaluator:main",
     "metrics": "consumers.exporter:main",
-    "status": "streamer.status:main",
+    "status": "streamer.cli.status:main",
     "archive": "consumers.archive:main",
-    "samples": "streamer.rollouts:samples_main",
-    "dead": "streamer.rollouts:dead_main",
-    "plot": "streamer.plot:main",
-    "smoke": "streamer.smoke:main",
+    "samples": "streamer.cli.samples:samples_main",
+    "dead": "streamer.cli.samples:dead_main",
+    "plot": "streamer.cli.plot:main",
+    "smoke": "streamer.cli.smoke:main",
 }
 
 
@@ -114,11 +115,12 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     if task and getattr(args, "config", None):
         raise ConfigError("--task and --config exclude each other")
     if task:
-        from streamer import tasks
+        from streamer.rollout import tasks
 
         cfg = tasks.config(task)
     else:
-        cfg = load_config(getattr(args, "config", None))
+        path = getattr(args, "config", None)
+        cfg = demo.config() if path is None else load_config(path)
     url = args.redis_url if args.redis_url is not None else (os.environ.get(URL_ENV) or None)
     run = {
         k: v
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     if args.cmd == "config-doc":
-        from streamer.configdoc import render, sync
+        from streamer.cli.configdoc import render, sync
 
         if args.check:
             fresh = sync(args.check, check=True)
