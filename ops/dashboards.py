@@ -18,12 +18,11 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
-from schemas.metric_names import EPISODE_DROP_REASONS  # noqa: E402
+from schemas.metric_names import EPISODE_DROP_REASONS, REJECT_REASONS  # noqa: E402
 
 OUTPUT = ROOT / "ops" / "grafana" / "dashboards" / "streamer.json"
 UID = "streamer-run"
@@ -32,284 +31,224 @@ PROMETHEUS_LABELS = {"job", "instance"}  # added by the scrape, present on every
 RATE = "$__rate_interval"
 
 
-def m(name: str, **labels: str) -> str:
-    """A selector of one series, scoped to the dashboard's job variable."""
-    sel = ['job=~"$job"'] + [f'{k}="{v}"' for k, v in labels.items()]
-    return f"{name}{{{','.join(sel)}}}"
+# A panel is its targets, or (Grafana unit, targets); targets are {legend: PromQL}, or one
+# PromQL expression whose legend is the panel's title. render() narrows every streamer_
+# selector to the $job variable; a panel of more than 8 series is twice as wide.
+PanelSpec = str | Mapping[str, str] | tuple[str, str | Mapping[str, str]]
 
 
-class Panel(NamedTuple):
-    title: str
-    targets: tuple[tuple[str, str], ...]  # (PromQL, legend)
-    unit: str = "short"
-    kind: str = "timeseries"  # or "stat"
-    width: int = 8
-
-
-def ts(title: str, *targets: tuple[str, str], unit: str = "short", width: int = 8) -> Panel:
-    return Panel(title, targets, unit, "timeseries", width)
-
-
-def stat(title: str, expr: str, unit: str = "short") -> Panel:
-    return Panel(title, ((expr, title),), unit, "stat", 3)
-
-
-def rate(name: str, by: str = "", **labels: str) -> str:
-    inner = f"rate({m(name, **labels)}[{RATE}])"
+def rate(selector: str, by: str = "") -> str:
+    inner = f"rate({selector}[{RATE}])"
     return f"sum by ({by}) ({inner})" if by else f"sum({inner})"
 
 
-TRAIN = "streamer_train_"
-ROLL = "streamer_rollout_"
+def per_group(series: str) -> dict[str, str]:
+    """One line per consumer group of a stream."""
+    return {"{{stream}}/{{group}}": f"sum by (stream, group) ({series})"}
 
-ROWS: list[tuple[str, list[Panel]]] = [
-    (
-        "Overview",
-        [
-            stat("Rollout reward (5m)", f"avg(avg_over_time({m(ROLL + 'reward_mean')}[5m]))"),
-            Panel(
-                "Eval accuracy",
-                ((f"max by (set) ({m('streamer_eval_accuracy')})", "{{set}}"),),
-                "percentunit",
-                "stat",
-                3,
-            ),
-            stat("Rollout tokens/s", rate(ROLL + "tokens_total")),
-            stat("Policy version", f"max({m('streamer_policy_version')})"),
-            stat("Staleness (versions)", f"max({m(TRAIN + 'staleness_mean')})"),
-            stat(
-                "Trajectory lag",
-                f"sum({m('streamer_stream_group_lag', stream='traj', group='trainer')})",
-            ),
-            stat("Since last step", f"max({m('streamer_train_seconds_since_last_step')})", "s"),
-            stat("Live producers", f"sum({m('streamer_live_producers')})"),
-        ],
-    ),
-    (
-        "Training",
-        [
-            ts("Loss", (m(TRAIN + "loss"), "loss"), (m(TRAIN + "policy_loss"), "policy loss")),
-            ts("KL to reference", (m(TRAIN + "kl"), "kl")),
-            ts("Entropy", (m(TRAIN + "entropy"), "entropy")),
-            ts(
-                "Clip fraction",
-                (m(TRAIN + "clip_fraction"), "clipped"),
-                (m(TRAIN + "clip_low_fraction"), "low side (A < 0)"),
-                (m(TRAIN + "clip_high_fraction"), "high side (A > 0)"),
-                unit="percentunit",
-            ),
-            ts(
-                "Trainer vs sampler mismatch (KL)",
-                (m(TRAIN + "mismatch_kl"), "KL(sampler || trainer)"),
-            ),
-            ts(
-                "PPO KL and ratio",
-                (m(TRAIN + "ppo_kl"), "KL(proximal || current)"),
-                (m(TRAIN + "ratio_mean"), "ratio mean"),
-            ),
-            ts(
-                "Trained response length (tokens)",
-                (m(TRAIN + "response_length_mean"), "mean"),
-                (m(TRAIN + "response_length_max"), "max"),
-            ),
-            ts(
-                "Step phases",
-                (m(TRAIN + "proximal_forward_seconds"), "proximal forward"),
-                (m(TRAIN + "reference_forward_seconds"), "reference forward"),
-                (m(TRAIN + "forward_backward_seconds"), "forward-backward"),
-                (m(TRAIN + "optimizer_seconds"), "optimizer"),
-                unit="s",
-            ),
-            ts("Grad norm", (m(TRAIN + "grad_norm"), "grad norm")),
-            ts("Learning rate", (m(TRAIN + "lr"), "lr")),
-            ts(
-                "Importance weights",
-                (m(TRAIN + "is_weight_mean"), "mean"),
-                (m(TRAIN + "is_weight_max"), "max"),
-            ),
-            ts("Trained tokens/s", (m(TRAIN + "tokens_per_second"), "tokens/s")),
-            ts(
-                "Step time",
-                (m(TRAIN + "step_seconds"), "step"),
-                (m(TRAIN + "data_wait_seconds"), "data wait"),
-                unit="s",
-            ),
-            ts(
-                "Groups accepted / rejected per second",
-                (rate(TRAIN + "groups_accepted_total"), "accepted"),
-                (rate(TRAIN + "groups_rejected_stale_total"), "stale"),
-                (rate(TRAIN + "groups_rejected_zero_variance_total"), "zero variance"),
-                (rate(TRAIN + "groups_rejected_too_few_samples_total"), "too few samples"),
-                (rate(TRAIN + "groups_rejected_overlong_total"), "overlong"),
-                (rate(TRAIN + "groups_rejected_user_filter_total"), "user filter"),
-                (rate(TRAIN + "groups_rejected_too_long_total"), "too long"),
-                (rate(TRAIN + "optimizer_steps_skipped_total"), "optimizer steps skipped"),
-            ),
-            ts(
-                "Staleness (versions)",
-                (m(TRAIN + "staleness_mean"), "mean"),
-                (m(TRAIN + "staleness_max"), "max"),
-            ),
-            ts(
-                "Train step",
-                (m(TRAIN + "step"), "step"),
-                (m(TRAIN + "reward_mean"), "reward of trained groups"),
-            ),
-        ],
-    ),
-    (
-        "Rollout",
-        [
-            ts(
-                "Reward",
-                (f"avg(avg_over_time({m(ROLL + 'reward_mean')}[1m]))", "reward (1m mean)"),
-                (f"avg(avg_over_time({m(ROLL + 'accuracy')}[1m]))", "accuracy (1m mean)"),
-            ),
-            ts(
-                "Response length (tokens)",
-                (m(ROLL + "response_length_mean"), "mean"),
-                (m(ROLL + "response_length_min"), "min"),
-                (m(ROLL + "response_length_max"), "max"),
-            ),
-            ts(
-                "Truncated",
-                (f"avg(avg_over_time({m(ROLL + 'truncated_ratio')}[1m]))", "truncated"),
-                unit="percentunit",
-            ),
-            ts("Tokens/s per producer", (rate(ROLL + "tokens_total", "producer"), "{{producer}}")),
-            ts("Groups/s per producer", (rate(ROLL + "groups_total", "producer"), "{{producer}}")),
-            ts(
-                "Admission and backpressure wait",
-                (m(ROLL + "admission_wait_seconds"), "admission"),
-                (m(ROLL + "backpressure_wait_seconds"), "backpressure"),
-                (m(ROLL + "sample_seconds"), "sampling"),
-                unit="s",
-            ),
-            ts("Version offset", (m(ROLL + "version_offset"), "versions behind")),
-            ts(
-                "Rows (solved and unsolvable rows are set aside)",
-                (f"max({m(ROLL + 'rows_active')})", "active"),
-                (f"max({m(ROLL + 'rows_solved')})", "solved"),
-                (f"max({m(ROLL + 'rows_unsolvable')})", "unsolvable"),
-                (rate(ROLL + "rows_passed_over_total"), "passed over (/s)"),
-            ),
-            ts(
-                "Failures per second",
-                (rate(ROLL + "sample_failures_total"), "sample failures"),
-                (rate(ROLL + "groups_dropped_total"), "groups dropped"),
-                (rate(ROLL + "weight_load_errors_total"), "weight load errors"),
-            ),
-            ts("Rollout step", (m(ROLL + "step"), "step")),
-        ],
-    ),
-    (
-        "Episodes (multi-turn rollouts)",
-        [
-            ts("Turns per episode", (m(ROLL + "turns_mean"), "turns (group mean)")),
-            ts("Tool calls/s", (rate(ROLL + "tool_calls_total"), "tool calls")),
-            ts("Episode seconds", (m(ROLL + "episode_seconds"), "rollout of a group"), unit="s"),
-            ts("Rows in flight", (m(ROLL + "in_flight_episodes"), "in flight")),
-            ts(
-                "Episodes dropped per second",
-                (rate(ROLL + "prefix_mismatches_total"), "prefix mismatches"),
-                (rate(ROLL + "proxy_divergences_total"), "proxy divergences (a new chain, not dropped)"),
-                (rate(ROLL + "episode_forks_total"), "forks (extra samples, not dropped)"),
-                *(
-                    (rate(ROLL + f"episodes_dropped_{r}_total"), r.replace("_", " "))
-                    for r in EPISODE_DROP_REASONS
-                ),
-                width=16,
-            ),
-        ],
-    ),
-    (
-        "Eval",
-        [
-            ts(
-                "Eval accuracy (mean@k) per set",
-                (m("streamer_eval_mean_at_k"), "{{set}}"),
-                unit="percentunit",
-            ),
-            ts("Eval pass@k per set", (m("streamer_eval_pass_at_k"), "{{set}}"), unit="percentunit"),
-            ts("Eval reward per set", (m("streamer_eval_reward_mean"), "{{set}}")),
-            ts("Eval response length per set", (m("streamer_eval_response_length_mean"), "{{set}}")),
-            ts(
-                "Evaluated version, rows and k",
-                (m("streamer_eval_step"), "version"),
-                (m("streamer_eval_rows"), "{{set}} rows"),
-                (m("streamer_eval_k"), "{{set}} k"),
-            ),
-            ts("Eval time per set", (m("streamer_eval_eval_seconds"), "{{set}}"), unit="s"),
-        ],
-    ),
-    (
-        "Pipeline",
-        [
-            ts(
-                "Trajectories published vs consumed (/s)",
-                (rate("streamer_stream_entries_added_total", stream="traj"), "published"),
-                (
-                    rate("streamer_stream_group_entries_read_total", stream="traj", group="trainer"),
-                    "consumed",
-                ),
-            ),
-            ts(
-                "Consumer-group lag",
-                (f"sum by (stream, group) ({m('streamer_stream_group_lag')})", "{{stream}}/{{group}}"),
-            ),
-            ts(
-                "Pending (unacknowledged)",
-                (
-                    f"sum by (stream, group) ({m('streamer_stream_group_pending')})",
-                    "{{stream}}/{{group}}",
-                ),
-            ),
-            ts("Stream length", (f"sum by (stream) ({m('streamer_stream_length')})", "{{stream}}")),
-            ts(
-                "Dead letters (10m)",
-                (f"sum(increase({m('streamer_dead_letters_total')}[10m]))", "dead letters"),
-            ),
-            ts(
-                "Weight sync latency",
-                (m(TRAIN + "weight_sync_seconds"), "trainer write + publish"),
-                (m(ROLL + "weight_load_seconds"), "producer load"),
-                unit="s",
-            ),
-            ts(
-                "Policy age",
-                (m("streamer_policy_age_seconds"), "since newest version"),
-                (m("streamer_train_seconds_since_last_step"), "since last train step"),
-                unit="s",
-            ),
-            ts(
-                "Admission",
-                (m("streamer_admitted_groups"), "admitted"),
-                (m("streamer_admission_limit_groups"), "limit"),
-            ),
-            ts("Live producers", (m("streamer_live_producers"), "live")),
-        ],
-    ),
-]
+
+OVERVIEW: dict[str, PanelSpec] = {  # stat panels: the latest value
+    "Rollout reward (5m)": "avg(avg_over_time(streamer_rollout_reward_mean[5m]))",
+    "Eval accuracy": ("percentunit", {"{{set}}": "max by (set) (streamer_eval_accuracy)"}),
+    "Rollout tokens/s": rate("streamer_rollout_tokens_total"),
+    "Policy version": "max(streamer_policy_version)",
+    "Staleness (versions)": "max(streamer_train_staleness_mean)",
+    "Trajectory lag": 'sum(streamer_stream_group_lag{stream="traj",group="trainer"})',
+    "Since last step": ("s", "max(streamer_train_seconds_since_last_step)"),
+    "Live producers": "sum(streamer_live_producers)",
+}
+
+ROWS: dict[str, dict[str, PanelSpec]] = {  # time series
+    "Training": {
+        "Loss": {"loss": "streamer_train_loss", "policy loss": "streamer_train_policy_loss"},
+        "KL to reference": {"kl": "streamer_train_kl"},
+        "Entropy": {"entropy": "streamer_train_entropy"},
+        "Clip fraction": (
+            "percentunit",
+            {
+                "clipped": "streamer_train_clip_fraction",
+                "low side (A < 0)": "streamer_train_clip_low_fraction",
+                "high side (A > 0)": "streamer_train_clip_high_fraction",
+            },
+        ),
+        "Trainer vs sampler mismatch (KL)": {"KL(sampler || trainer)": "streamer_train_mismatch_kl"},
+        "PPO KL and ratio": {
+            "KL(proximal || current)": "streamer_train_ppo_kl",
+            "ratio mean": "streamer_train_ratio_mean",
+        },
+        "Trained response length (tokens)": {
+            "mean": "streamer_train_response_length_mean",
+            "max": "streamer_train_response_length_max",
+        },
+        "Step phases": (
+            "s",
+            {
+                "proximal forward": "streamer_train_proximal_forward_seconds",
+                "reference forward": "streamer_train_reference_forward_seconds",
+                "forward-backward": "streamer_train_forward_backward_seconds",
+                "optimizer": "streamer_train_optimizer_seconds",
+            },
+        ),
+        "Grad norm": {"grad norm": "streamer_train_grad_norm"},
+        "Learning rate": {"lr": "streamer_train_lr"},
+        "Importance weights": {
+            "mean": "streamer_train_is_weight_mean",
+            "max": "streamer_train_is_weight_max",
+        },
+        "Trained tokens/s": {"tokens/s": "streamer_train_tokens_per_second"},
+        "Step time": (
+            "s",
+            {"step": "streamer_train_step_seconds", "data wait": "streamer_train_data_wait_seconds"},
+        ),
+        "Groups accepted / rejected per second": {
+            "accepted": rate("streamer_train_groups_accepted_total"),
+            **{
+                r.replace("_", " "): rate(f"streamer_train_groups_rejected_{r}_total") for r in REJECT_REASONS
+            },
+            "optimizer steps skipped": rate("streamer_train_optimizer_steps_skipped_total"),
+        },
+        "Staleness (versions)": {
+            "mean": "streamer_train_staleness_mean",
+            "max": "streamer_train_staleness_max",
+        },
+        "Train step": {
+            "step": "streamer_train_step",
+            "reward of trained groups": "streamer_train_reward_mean",
+        },
+    },
+    "Rollout": {
+        "Reward": {
+            "reward (1m mean)": "avg(avg_over_time(streamer_rollout_reward_mean[1m]))",
+            "accuracy (1m mean)": "avg(avg_over_time(streamer_rollout_accuracy[1m]))",
+        },
+        "Response length (tokens)": {
+            "mean": "streamer_rollout_response_length_mean",
+            "min": "streamer_rollout_response_length_min",
+            "max": "streamer_rollout_response_length_max",
+        },
+        "Truncated": (
+            "percentunit",
+            {"truncated": "avg(avg_over_time(streamer_rollout_truncated_ratio[1m]))"},
+        ),
+        "Tokens/s per producer": {"{{producer}}": rate("streamer_rollout_tokens_total", "producer")},
+        "Groups/s per producer": {"{{producer}}": rate("streamer_rollout_groups_total", "producer")},
+        "Admission and backpressure wait": (
+            "s",
+            {
+                "admission": "streamer_rollout_admission_wait_seconds",
+                "backpressure": "streamer_rollout_backpressure_wait_seconds",
+                "sampling": "streamer_rollout_sample_seconds",
+            },
+        ),
+        "Version offset": {"versions behind": "streamer_rollout_version_offset"},
+        "Rows (solved and unsolvable rows are set aside)": {
+            "active": "max(streamer_rollout_rows_active)",
+            "solved": "max(streamer_rollout_rows_solved)",
+            "unsolvable": "max(streamer_rollout_rows_unsolvable)",
+            "passed over (/s)": rate("streamer_rollout_rows_passed_over_total"),
+        },
+        "Failures per second": {
+            "sample failures": rate("streamer_rollout_sample_failures_total"),
+            "groups dropped": rate("streamer_rollout_groups_dropped_total"),
+            "weight load errors": rate("streamer_rollout_weight_load_errors_total"),
+        },
+        "Rollout step": {"step": "streamer_rollout_step"},
+    },
+    "Episodes (multi-turn rollouts)": {
+        "Turns per episode": {"turns (group mean)": "streamer_rollout_turns_mean"},
+        "Tool calls/s": {"tool calls": rate("streamer_rollout_tool_calls_total")},
+        "Episode seconds": ("s", {"rollout of a group": "streamer_rollout_episode_seconds"}),
+        "Rows in flight": {"in flight": "streamer_rollout_in_flight_episodes"},
+        "Episodes dropped per second": {
+            "prefix mismatches": rate("streamer_rollout_prefix_mismatches_total"),
+            "proxy divergences (a new chain, not dropped)": rate("streamer_rollout_proxy_divergences_total"),
+            "forks (extra samples, not dropped)": rate("streamer_rollout_episode_forks_total"),
+            **{
+                r.replace("_", " "): rate(f"streamer_rollout_episodes_dropped_{r}_total")
+                for r in EPISODE_DROP_REASONS
+            },
+        },
+    },
+    "Eval": {
+        "Eval accuracy (mean@k) per set": ("percentunit", {"{{set}}": "streamer_eval_mean_at_k"}),
+        "Eval pass@k per set": ("percentunit", {"{{set}}": "streamer_eval_pass_at_k"}),
+        "Eval reward per set": {"{{set}}": "streamer_eval_reward_mean"},
+        "Eval response length per set": {"{{set}}": "streamer_eval_response_length_mean"},
+        "Evaluated version, rows and k": {
+            "version": "streamer_eval_step",
+            "{{set}} rows": "streamer_eval_rows",
+            "{{set}} k": "streamer_eval_k",
+        },
+        "Eval time per set": ("s", {"{{set}}": "streamer_eval_eval_seconds"}),
+    },
+    "Pipeline": {
+        "Trajectories published vs consumed (/s)": {
+            "published": rate('streamer_stream_entries_added_total{stream="traj"}'),
+            "consumed": rate('streamer_stream_group_entries_read_total{stream="traj",group="trainer"}'),
+        },
+        "Consumer-group lag": per_group("streamer_stream_group_lag"),
+        "Pending (unacknowledged)": per_group("streamer_stream_group_pending"),
+        "Stream length": {"{{stream}}": "sum by (stream) (streamer_stream_length)"},
+        "Dead letters (10m)": {"dead letters": "sum(increase(streamer_dead_letters_total[10m]))"},
+        "Weight sync latency": (
+            "s",
+            {
+                "trainer write + publish": "streamer_train_weight_sync_seconds",
+                "producer load": "streamer_rollout_weight_load_seconds",
+            },
+        ),
+        "Policy age": (
+            "s",
+            {
+                "since newest version": "streamer_policy_age_seconds",
+                "since last train step": "streamer_train_seconds_since_last_step",
+            },
+        ),
+        "Admission": {"admitted": "streamer_admitted_groups", "limit": "streamer_admission_limit_groups"},
+        "Live producers": {"live": "streamer_live_producers"},
+    },
+}
 
 
 # ---------------------------------------------------------------- rendering
 
+_SELECTOR = re.compile(r"\b(streamer_[a-z0-9_]+)(?:\{([^}]*)\})?")
 
-def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
-    height = 4 if p.kind == "stat" else 8
+
+def scoped(expr: str) -> str:
+    """``expr`` with every streamer_ selector narrowed to the dashboard's job variable."""
+
+    def narrow(sel: re.Match) -> str:
+        matchers = ['job=~"$job"'] + ([sel[2]] if sel[2] else [])
+        return f"{sel[1]}{{{','.join(matchers)}}}"
+
+    return _SELECTOR.sub(narrow, expr)
+
+
+def _panel(title: str, spec: PanelSpec, kind: str) -> dict:
+    """One panel of ``kind``; render() numbers and places it."""
+    unit, targets = spec if isinstance(spec, tuple) else ("short", spec)
+    if isinstance(targets, str):
+        targets = {title: targets}
+    width = 3 if kind == "stat" else 16 if len(targets) > 8 else 8
     out = {
-        "id": pid,
-        "type": p.kind,
-        "title": p.title,
+        "id": 0,
+        "type": kind,
+        "title": title,
         "datasource": DATASOURCE,
-        "gridPos": {"h": height, "w": p.width, "x": x, "y": y},
-        "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
+        "gridPos": {"h": 4 if kind == "stat" else 8, "w": width, "x": 0, "y": 0},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
         "targets": [
-            {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "refId": chr(ord("A") + i)}
-            for i, (expr, legend) in enumerate(p.targets)
+            {
+                "datasource": DATASOURCE,
+                "expr": scoped(expr),
+                "legendFormat": legend,
+                "refId": chr(ord("A") + i),
+            }
+            for i, (legend, expr) in enumerate(targets.items())
         ],
     }
-    if p.kind == "stat":
+    if kind == "stat":
         out["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}
     return out
 
@@ -334,25 +273,27 @@ def _variables() -> list[dict]:
 
 def render() -> dict:
     """The dashboard JSON (deterministic: same description, same bytes)."""
-    panels, pid, y = [], 1, 0
-    for title, row in ROWS:
+    rows = [("Overview", [_panel(t, spec, "stat") for t, spec in OVERVIEW.items()])]
+    rows += [
+        (row, [_panel(t, spec, "timeseries") for t, spec in specs.items()]) for row, specs in ROWS.items()
+    ]
+    panels, y = [], 0
+    for title, row in rows:
+        grid = {"h": 1, "w": 24, "x": 0, "y": y}
         panels.append(
-            {
-                "id": pid,
-                "type": "row",
-                "title": title,
-                "collapsed": False,
-                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
-                "panels": [],
-            }
+            {"id": 0, "type": "row", "title": title, "collapsed": False, "gridPos": grid, "panels": []}
         )
-        pid, y, x, row_h = pid + 1, y + 1, 0, 0
+        y, x, row_h = y + 1, 0, 0
         for p in row:
-            if x + p.width > 24:
+            pos = p["gridPos"]
+            if x + pos["w"] > 24:
                 x, y, row_h = 0, y + row_h, 0
-            panels.append(_panel(p, pid, x, y))
-            pid, x, row_h = pid + 1, x + p.width, max(row_h, panels[-1]["gridPos"]["h"])
+            pos["x"], pos["y"] = x, y
+            panels.append(p)
+            x, row_h = x + pos["w"], max(row_h, pos["h"])
         y += row_h
+    for pid, p in enumerate(panels, 1):
+        p["id"] = pid
     return {
         "uid": UID,
         "title": "Streamer run",
