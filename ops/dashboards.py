@@ -31,10 +31,10 @@ PROMETHEUS_LABELS = {"job", "instance"}  # added by the scrape, present on every
 RATE = "$__rate_interval"
 
 
-# A panel is its targets, or (Grafana unit, targets); targets are {legend: PromQL}, or one
+# A panel is its targets, or (targets, Grafana unit); targets are {legend: PromQL}, or one
 # PromQL expression whose legend is the panel's title. render() narrows every streamer_
 # selector to the $job variable; a panel of more than 8 series is twice as wide.
-PanelSpec = str | Mapping[str, str] | tuple[str, str | Mapping[str, str]]
+PanelSpec = str | Mapping[str, str] | tuple[str | Mapping[str, str], str]
 
 
 def rate(selector: str, by: str = "") -> str:
@@ -49,12 +49,12 @@ def per_group(series: str) -> dict[str, str]:
 
 OVERVIEW: dict[str, PanelSpec] = {  # stat panels: the latest value
     "Rollout reward (5m)": "avg(avg_over_time(streamer_rollout_reward_mean[5m]))",
-    "Eval accuracy": ("percentunit", {"{{set}}": "max by (set) (streamer_eval_accuracy)"}),
+    "Eval accuracy": ({"{{set}}": "max by (set) (streamer_eval_accuracy)"}, "percentunit"),
     "Rollout tokens/s": rate("streamer_rollout_tokens_total"),
     "Policy version": "max(streamer_policy_version)",
     "Staleness (versions)": "max(streamer_train_staleness_mean)",
     "Trajectory lag": 'sum(streamer_stream_group_lag{stream="traj",group="trainer"})',
-    "Since last step": ("s", "max(streamer_train_seconds_since_last_step)"),
+    "Since last step": ("max(streamer_train_seconds_since_last_step)", "s"),
     "Live producers": "sum(streamer_live_producers)",
 }
 
@@ -64,12 +64,12 @@ ROWS: dict[str, dict[str, PanelSpec]] = {  # time series
         "KL to reference": {"kl": "streamer_train_kl"},
         "Entropy": {"entropy": "streamer_train_entropy"},
         "Clip fraction": (
-            "percentunit",
             {
                 "clipped": "streamer_train_clip_fraction",
                 "low side (A < 0)": "streamer_train_clip_low_fraction",
                 "high side (A > 0)": "streamer_train_clip_high_fraction",
             },
+            "percentunit",
         ),
         "Trainer vs sampler mismatch (KL)": {"KL(sampler || trainer)": "streamer_train_mismatch_kl"},
         "PPO KL and ratio": {
@@ -81,13 +81,13 @@ ROWS: dict[str, dict[str, PanelSpec]] = {  # time series
             "max": "streamer_train_response_length_max",
         },
         "Step phases": (
-            "s",
             {
                 "proximal forward": "streamer_train_proximal_forward_seconds",
                 "reference forward": "streamer_train_reference_forward_seconds",
                 "forward-backward": "streamer_train_forward_backward_seconds",
                 "optimizer": "streamer_train_optimizer_seconds",
             },
+            "s",
         ),
         "Grad norm": {"grad norm": "streamer_train_grad_norm"},
         "Learning rate": {"lr": "streamer_train_lr"},
@@ -97,8 +97,8 @@ ROWS: dict[str, dict[str, PanelSpec]] = {  # time series
         },
         "Trained tokens/s": {"tokens/s": "streamer_train_tokens_per_second"},
         "Step time": (
-            "s",
             {"step": "streamer_train_step_seconds", "data wait": "streamer_train_data_wait_seconds"},
+            "s",
         ),
         "Groups accepted / rejected per second": {
             "accepted": rate("streamer_train_groups_accepted_total"),
@@ -127,18 +127,18 @@ ROWS: dict[str, dict[str, PanelSpec]] = {  # time series
             "max": "streamer_rollout_response_length_max",
         },
         "Truncated": (
-            "percentunit",
             {"truncated": "avg(avg_over_time(streamer_rollout_truncated_ratio[1m]))"},
+            "percentunit",
         ),
         "Tokens/s per producer": {"{{producer}}": rate("streamer_rollout_tokens_total", "producer")},
         "Groups/s per producer": {"{{producer}}": rate("streamer_rollout_groups_total", "producer")},
         "Admission and backpressure wait": (
-            "s",
             {
                 "admission": "streamer_rollout_admission_wait_seconds",
                 "backpressure": "streamer_rollout_backpressure_wait_seconds",
                 "sampling": "streamer_rollout_sample_seconds",
             },
+            "s",
         ),
         "Version offset": {"versions behind": "streamer_rollout_version_offset"},
         "Rows (solved and unsolvable rows are set aside)": {
@@ -157,7 +157,7 @@ ROWS: dict[str, dict[str, PanelSpec]] = {  # time series
     "Episodes (multi-turn rollouts)": {
         "Turns per episode": {"turns (group mean)": "streamer_rollout_turns_mean"},
         "Tool calls/s": {"tool calls": rate("streamer_rollout_tool_calls_total")},
-        "Episode seconds": ("s", {"rollout of a group": "streamer_rollout_episode_seconds"}),
+        "Episode seconds": ({"rollout of a group": "streamer_rollout_episode_seconds"}, "s"),
         "Rows in flight": {"in flight": "streamer_rollout_in_flight_episodes"},
         "Episodes dropped per second": {
             "prefix mismatches": rate("streamer_rollout_prefix_mismatches_total"),
@@ -170,8 +170,8 @@ ROWS: dict[str, dict[str, PanelSpec]] = {  # time series
         },
     },
     "Eval": {
-        "Eval accuracy (mean@k) per set": ("percentunit", {"{{set}}": "streamer_eval_mean_at_k"}),
-        "Eval pass@k per set": ("percentunit", {"{{set}}": "streamer_eval_pass_at_k"}),
+        "Eval accuracy (mean@k) per set": ({"{{set}}": "streamer_eval_mean_at_k"}, "percentunit"),
+        "Eval pass@k per set": ({"{{set}}": "streamer_eval_pass_at_k"}, "percentunit"),
         "Eval reward per set": {"{{set}}": "streamer_eval_reward_mean"},
         "Eval response length per set": {"{{set}}": "streamer_eval_response_length_mean"},
         "Evaluated version, rows and k": {
@@ -179,7 +179,7 @@ ROWS: dict[str, dict[str, PanelSpec]] = {  # time series
             "{{set}} rows": "streamer_eval_rows",
             "{{set}} k": "streamer_eval_k",
         },
-        "Eval time per set": ("s", {"{{set}}": "streamer_eval_eval_seconds"}),
+        "Eval time per set": ({"{{set}}": "streamer_eval_eval_seconds"}, "s"),
     },
     "Pipeline": {
         "Trajectories published vs consumed (/s)": {
@@ -191,18 +191,18 @@ ROWS: dict[str, dict[str, PanelSpec]] = {  # time series
         "Stream length": {"{{stream}}": "sum by (stream) (streamer_stream_length)"},
         "Dead letters (10m)": {"dead letters": "sum(increase(streamer_dead_letters_total[10m]))"},
         "Weight sync latency": (
-            "s",
             {
                 "trainer write + publish": "streamer_train_weight_sync_seconds",
                 "producer load": "streamer_rollout_weight_load_seconds",
             },
+            "s",
         ),
         "Policy age": (
-            "s",
             {
                 "since newest version": "streamer_policy_age_seconds",
                 "since last train step": "streamer_train_seconds_since_last_step",
             },
+            "s",
         ),
         "Admission": {"admitted": "streamer_admitted_groups", "limit": "streamer_admission_limit_groups"},
         "Live producers": {"live": "streamer_live_producers"},
@@ -227,7 +227,7 @@ def scoped(expr: str) -> str:
 
 def _panel(title: str, spec: PanelSpec, kind: str) -> dict:
     """One panel of ``kind``; render() numbers and places it."""
-    unit, targets = spec if isinstance(spec, tuple) else ("short", spec)
+    targets, unit = spec if isinstance(spec, tuple) else (spec, "short")
     if isinstance(targets, str):
         targets = {title: targets}
     width = 3 if kind == "stat" else 16 if len(targets) > 8 else 8
