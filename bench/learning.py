@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from streamer import demo  # noqa: E402
-from streamer.config import LOSS_KEYS, replace, to_toml  # noqa: E402
+from streamer.config import replace, to_toml  # noqa: E402
+from streamer.config_trainer import LOSS_KEYS  # noqa: E402
 
 TARGET = 0.8
 GOAL = 1.1

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamer.config import LOSS_KEYS, TrainerSection
+from streamer.config_trainer import LOSS_KEYS, TrainerSection
 from streamer.imports import load_function
 
 LOG_RATIO_CLAMP = 20.0

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from producers import rewards
 from producers.components import load_reward
 from producers.dataset import check_required, load_rows
-from streamer.config import DEFAULT_SET, EvalSetSection, RunConfig
+from streamer.config import RunConfig
+from streamer.config_rollout import DEFAULT_SET, EvalSetSection
 from streamer.errors import ConfigError, DatasetError
 from streamer.imports import load_function
 from streamer.rollout.contract import DEFAULT_ROLLOUT, RewardFn

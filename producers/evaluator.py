@@ -46,7 +46,8 @@ from producers.samplers import SamplerError
 from schemas import MetricsEvent, WeightSync
 from streamer import lifecycle, models
 from streamer.bus import Publisher
-from streamer.config import DEFAULT_SET, RunConfig
+from streamer.config import RunConfig
+from streamer.config_rollout import DEFAULT_SET
 from streamer.connection import connect, retrying
 from streamer.errors import EpisodeRejected, RewardUnavailable
 from streamer.keys import Keys

@@ -29,7 +29,7 @@ import httpx
 import msgspec
 
 from producers.rewards import final_number
-from streamer.config import JudgeSection
+from streamer.config_rollout import JudgeSection
 from streamer.errors import ConfigError, EpisodeRejected, RewardUnavailable
 
 log = logging.getLogger(__name__)

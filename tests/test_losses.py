@@ -16,7 +16,8 @@ from consumers import losses
 from consumers.batch import collate, collator
 from consumers.learner import Learner
 from streamer import demo
-from streamer.config import LOSS_KEYS, ConfigError, TrainerSection, parse_config
+from streamer.config import ConfigError, TrainerSection, parse_config
+from streamer.config_trainer import LOSS_KEYS
 
 
 def _run(name, logp, *, adv, prox=None, sampler=None, weights=None, agg="token-mean", **params):

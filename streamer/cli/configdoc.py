@@ -7,7 +7,7 @@ import re
 
 import msgspec
 
-from streamer import config
+from streamer import config, config_trainer
 
 # `name: type = default  # meaning`, or the formatter's wrapped form of a long line:
 # `name: type = (\n    default  # meaning\n)`
@@ -73,14 +73,14 @@ def _loss_table() -> list[str]:
         "",
     ]
     lines += ["| `trainer.loss` | keys |", "| --- | --- |"]
-    for name, keys in config.LOSS_KEYS.items():
+    for name, keys in config_trainer.LOSS_KEYS.items():
         lines.append(f"| `{name}` | {', '.join(f'`trainer.{k}`' for k in keys) or 'none'} |")
     lines += [
         '| `"module:function"` | none: a loss of one\'s own, called like the built-ins '
         "(signature in consumers/losses.py) |",
         "",
         '`loss_agg = "auto"` is `seq-mean` for '
-        + ", ".join(f"`{n}`" for n in config.SEQ_MEAN_LOSSES)
+        + ", ".join(f"`{n}`" for n in config_trainer.SEQ_MEAN_LOSSES)
         + " (a sequence-level objective: token-mean would weigh each sequence by its length) and "
         "`token-mean` for every other loss. "
         "`seq-mean` averages each sequence's trained tokens, then divides by the number "
