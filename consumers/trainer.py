@@ -44,11 +44,12 @@ from schemas import MetricsEvent, WeightSync
 from schemas.metric_names import REJECT_REASONS
 from streamer import lifecycle, lora, models, position, rundir, weights
 from streamer.admission import Admission
-from streamer.bus import Publisher, Tail, scan
+from streamer.bus import Publisher, scan
 from streamer.config import RunConfig
 from streamer.connection import connect, retrying
 from streamer.errors import StreamerError
 from streamer.keys import ARCHIVE_GROUP, Keys
+from streamer.tail import Tail
 from streamer.trainer_lease import TrainerLease, record_checkpoint, refuse_a_lost_checkpoint
 from streamer.values import check_types, parse_int
 

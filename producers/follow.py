@@ -32,9 +32,9 @@ import redis
 from producers.reload import SharedReload
 from schemas import WeightSync
 from streamer import problems, weights
-from streamer.bus import Tail
 from streamer.errors import SamplerError, StreamerError, WeightsError
 from streamer.keys import Keys
+from streamer.tail import Tail
 
 log = logging.getLogger(__name__)
 

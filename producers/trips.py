@@ -24,9 +24,10 @@ from producers.stats import Pending
 from schemas import TrajectoryGroup, WeightSync, encode
 from streamer import rows
 from streamer.admission import NO_ROOM, Admission, Claim, Leases, Published
-from streamer.bus import Publisher, Tail, unacked
+from streamer.bus import Publisher, unacked
 from streamer.keys import Keys
 from streamer.stamp import stamped
+from streamer.tail import Tail
 from streamer.values import parse_int
 
 log = logging.getLogger(__name__)

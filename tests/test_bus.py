@@ -10,11 +10,12 @@ import pytest
 import redis
 
 from schemas import DeadLetter, MetricsEvent, Sample, TrajectoryGroup, WeightSync, decode, encode
-from streamer.bus import Consumer, Publisher, Tail, trim_acked, unacked
+from streamer.bus import Consumer, Publisher, trim_acked, unacked
 from streamer.config import BusSection
 from streamer.connection import connect, replicated
 from streamer.errors import BackpressureTimeout, ServerError
 from streamer.keys import TRAINER_GROUP
+from streamer.tail import Tail
 
 FAST = BusSection(block_seconds=0.2, socket_timeout=5.0, claim_idle_seconds=0.2, read_count=16)
 

@@ -23,11 +23,12 @@ from schemas import MetricsEvent, WeightSync
 from schemas.metric_names import TRAIN
 from streamer import demo, weights
 from streamer.admission import Admission
-from streamer.bus import Tail, entry_event
+from streamer.bus import entry_event
 from streamer.config import BusSection, RunConfig, TrainerSection, replace
 from streamer.connection import connect
 from streamer.errors import ConfigError
 from streamer.keys import TRAINER_GROUP, Keys
+from streamer.tail import Tail
 
 
 def _cfg(url, keys, tmp_path, **trainer_fields) -> RunConfig:

@@ -16,12 +16,13 @@ import time
 from collections import deque
 
 from schemas import MetricsEvent
-from streamer.bus import Tail, unacked
+from streamer.bus import unacked
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect
 from streamer.keys import Keys
 from streamer.readmodel.history import WINDOW
 from streamer.readmodel.saved import Curves
+from streamer.tail import Tail
 from streamer.values import DataError, parse_int
 
 log = logging.getLogger(__name__)

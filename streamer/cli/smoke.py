@@ -6,10 +6,11 @@ import tempfile
 import time
 
 from schemas import DeadLetter, MetricsEvent, Sample, TrajectoryGroup, WeightSync
-from streamer.bus import Consumer, Publisher, Tail
+from streamer.bus import Consumer, Publisher
 from streamer.connection import connect
 from streamer.keys import TRAINER_GROUP, Keys
 from streamer.server import EmbeddedServer
+from streamer.tail import Tail
 
 
 def round_trip(url: str, keys: Keys, cfg) -> list[str]:
