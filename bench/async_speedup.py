@@ -56,13 +56,11 @@ from producers.samplers import Completion
 from schemas import MetricsEvent
 from streamer import demo
 from streamer.bus import entry_event
-from streamer.config import write_toml
 from streamer.connection import connect
 from streamer.keys import Keys
 
 SIDES = {"sync": 0, "async": 2}  # side name -> trainer.max_staleness
 AREAL = 2.77
-WIDE_OPEN = 10**6
 
 
 def demo_backend(*, logprob: float = -2.3):
@@ -96,9 +94,7 @@ def long_tailed(backend, *, scale: float, alpha: float, seed: int = 0, cap: floa
     return delayed
 
 
-def write_config(
-    path: Path, *, run: str, redis_url: str, sampler_url: str, staleness: int, args: argparse.Namespace
-) -> Path:
+def write_config(workdir: Path, keys: Keys, *, url: str, sampler_url: str, staleness: int, args) -> Path:
     """The demo's run config with the remote sampler and ``staleness``."""
     trainer = {
         "groups_per_step": args.groups_per_step,
@@ -109,18 +105,10 @@ def write_config(
         "overlong": "keep",
         "checkpoint_every": 20,
     }
-    producer = {
-        "sampler": "remote",
-        "remote_url": sampler_url,
-        "group_size": args.group_size,
-        "max_new_tokens": 2,
-        "reward": "streamer.demo:reward",
-        "shutdown_grace": 5.0,
-        "concurrency": args.concurrency,
-        "remote_concurrency": max(8, args.concurrency),
-    }
-    run_section = {"name": run, "redis_url": redis_url, "data_dir": str(path.parent)}
-    return write_toml(path, {"run": run_section, "trainer": trainer, "producer": producer})
+    producer = C.remote_producer(
+        sampler_url, group_size=args.group_size, concurrency=args.concurrency, reward="streamer.demo:reward"
+    )
+    return C.write_run_config(workdir, keys, url, trainer=trainer, producer=producer)
 
 
 def cleanup(procs: list[subprocess.Popen], client, keys: Keys) -> None:
@@ -138,14 +126,7 @@ def run_side(
     thread (appended to ``cleanups``), overlapping the next run's start-up, which is not
     measured."""
     keys, started = C.fresh_keys("async"), time.time()
-    config = write_config(
-        workdir / f"{keys.run}.toml",
-        run=keys.run,
-        redis_url=url,
-        sampler_url=sampler_url,
-        staleness=staleness,
-        args=args,
-    )
+    config = write_config(workdir, keys, url=url, sampler_url=sampler_url, staleness=staleness, args=args)
     log = workdir / f"{keys.run}.log"
     client = connect(url)
     procs = [C.spawn_role("train", config, log=log, threads=args.trainer_threads, log_level=args.log_level)]
@@ -228,10 +209,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=1, help="rows in flight per producer")
     ap.add_argument("--long-tail", action="store_true", help="Pareto-distributed request latency")
     ap.add_argument("--tail-alpha", type=float, default=1.5, help="Pareto shape of --long-tail")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.repeats, args.steps, args.warmup, args.producers = 1, 3, 1, 2
+    args = C.parse_args(
+        ap, argv, quick="tiny sizes for a smoke test", repeats=1, steps=3, warmup=1, producers=2
+    )
     if args.warmup < 1 or args.steps < 2:
         ap.error("--warmup must be >= 1 and --steps >= 2")
     return args

@@ -160,22 +160,10 @@ def bench_size(args, tokens: int) -> tuple[list, dict[str, float]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="512,4096", help="tokens per sample, comma separated")
-    ap.add_argument("--group-size", type=int, default=8, help="samples per group (G)")
-    ap.add_argument("--mb", type=float, default=40.0, help="msgspec payload MB per repeat")
-    ap.add_argument(
-        "--slow-share",
-        type=float,
-        default=0.1,
-        help="share of the groups the slow formats (json, pickle of lists) process",
-    )
+    C.add_payload_args(ap, mb=40.0, mb_help="msgspec payload MB per repeat")
+    ap.add_argument("--slow-share", type=float, default=0.1, help="share of groups the slow formats process")
     ap.add_argument("--repeats", type=int, default=5, help="repeats; medians reported")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.mb, args.repeats = 0.5, 1
-    args.sizes = [int(s) for s in args.sizes.split(",")]
-    return args
+    return C.parse_args(ap, argv, quick="tiny sizes for a smoke test", mb=0.5, repeats=1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,10 +29,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from schemas import Sample, TrajectoryGroup  # noqa: E402
+from streamer.config import write_toml  # noqa: E402
 from streamer.connection import connect  # noqa: E402
 from streamer.keys import Keys  # noqa: E402
 from streamer.server import EmbeddedServer  # noqa: E402
 
+WIDE_OPEN = 10**9  # a limit that never binds: admission and backpressure out of the way
 VOCAB = 151_936  # Qwen-sized vocabulary: realistic token id magnitudes for every codec
 PROMPT_FRACTION = 0.25  # share of each sample's tokens that are prompt (no log-probs)
 
@@ -48,6 +50,30 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="embedded server without its append-only file (default: AOF everysec, as `streamer up` runs it)",
     )
+
+
+def parse_args(
+    ap: argparse.ArgumentParser, argv: Sequence[str] | None, *, quick: str, **smoke: object
+) -> argparse.Namespace:
+    """``argv`` parsed by ``ap``, which gains ``--quick`` (its help: ``quick``): the ``smoke``
+    values then replace the defaults (the sizes tests/test_bench_smoke.py runs)."""
+    ap.add_argument("--quick", action="store_true", help=quick)
+    args = ap.parse_args(argv)
+    if args.quick:
+        vars(args).update(smoke)
+    return args
+
+
+def add_payload_args(ap: argparse.ArgumentParser, *, mb: float, mb_help: str) -> None:
+    """``--sizes`` (tokens per sample, a list) and ``--group-size``: the shape of the groups;
+    ``--mb`` (default ``mb``): how much of them a repeat moves."""
+    ap.add_argument("--sizes", type=_ints, default="512,4096", help="tokens per sample, comma separated")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per group (G)")
+    ap.add_argument("--mb", type=float, default=mb, help=mb_help)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(s) for s in text.split(",")]
 
 
 @contextlib.contextmanager
@@ -66,6 +92,28 @@ def server_url(args: argparse.Namespace) -> Iterator[str]:
 
 def fresh_keys(prefix: str = "bench") -> Keys:
     return Keys(f"{prefix}{uuid.uuid4().hex[:10]}")
+
+
+def write_run_config(workdir: Path, keys: Keys, url: str, **sections: dict) -> Path:
+    """``workdir/{run}.toml``: run ``keys.run`` on the server at ``url`` with its data under
+    ``workdir``, and ``sections`` (``trainer={...}``, ...); what a role's --config takes."""
+    run = {"name": keys.run, "redis_url": url, "data_dir": str(workdir)}
+    return write_toml(workdir / f"{keys.run}.toml", {"run": run, **sections})
+
+
+def remote_producer(sampler_url: str, *, group_size: int, concurrency: int = 1, **fields: object) -> dict:
+    """A [producer] section sampling two tokens per completion from ``sampler_url`` (a fake
+    server), ``concurrency`` rows in flight; ``fields`` add to it."""
+    return {
+        "sampler": "remote",
+        "remote_url": sampler_url,
+        "group_size": group_size,
+        "max_new_tokens": 2,
+        "shutdown_grace": 5.0,
+        "concurrency": concurrency,
+        "remote_concurrency": max(8, concurrency),
+        **fields,
+    }
 
 
 def drop_run(client, keys: Keys) -> None:

@@ -260,11 +260,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--quick", action="store_true", help="a tiny throughput model (the smoke test)")
     ap.add_argument("--no-vllm", action="store_true", help="skip the real-engine section")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.hidden, args.layers, args.seq, args.rows = 64, 1, 32, 4
+    smoke = dict(hidden=64, layers=1, seq=32, rows=4)
+    args = C.parse_args(ap, argv, quick="a tiny throughput model (the smoke test)", **smoke)
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"device {dev} ({name}), torch {torch.__version__}", flush=True)

@@ -192,21 +192,15 @@ def flood_run(url: str, client, args) -> tuple[list, dict]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     C.add_server_args(ap)
-    ap.add_argument("--sizes", default="512,4096", help="tokens per sample, comma separated")
-    ap.add_argument("--group-size", type=int, default=8, help="samples per group (G)")
-    ap.add_argument("--mb", type=float, default=30.0, help="payload MB queued per repeat (part 1)")
+    C.add_payload_args(ap, mb=30.0, mb_help="payload MB queued per repeat (part 1)")
     ap.add_argument("--limit", type=int, default=64, help="bus.max_unacked (N) for the flood")
     ap.add_argument("--producers", type=int, default=4, help="flooding producer threads (P)")
     ap.add_argument("--flood-tokens", type=int, default=512, help="tokens per sample in the flood")
     ap.add_argument("--stall", type=float, default=2.0, help="seconds the trainer stays stalled")
     ap.add_argument("--cycles", type=int, default=3, help="ack/resume cycles after the stall")
     ap.add_argument("--ack-batch", type=int, default=16, help="entries the trainer acks per cycle")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.mb, args.repeats, args.stall, args.cycles, args.limit = 0.5, 1, 0.6, 1, 16
-    args.sizes = [int(s) for s in args.sizes.split(",")]
-    return args
+    smoke = dict(mb=0.5, repeats=1, stall=0.6, cycles=1, limit=16)
+    return C.parse_args(ap, argv, quick="tiny sizes for a smoke test", **smoke)
 
 
 def main(argv: list[str] | None = None) -> int:

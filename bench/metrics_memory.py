@@ -132,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--at", type=int, default=2_000, help="the earlier measurement")
     ap.add_argument("--groups", type=int, default=8, help="rollout events (groups) per step")
     ap.add_argument("--snapshot-interval", type=float, default=2.0, help="exporter metrics.snapshot_interval")
-    ap.add_argument("--quick", action="store_true", help="200 vs 1000 steps")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.steps, args.at = 1000, 200
+    args = C.parse_args(ap, argv, quick="200 vs 1000 steps", steps=1000, at=200)
     began = time.monotonic()
     with C.server_url(args) as url:
         res = run(args, url)

@@ -109,10 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=4, help="padded side: rows per micro-batch")
     ap.add_argument("--repeats", type=int, default=3, help="measured steps per side (after one warm-up)")
-    ap.add_argument("--quick", action="store_true", help="a tiny model and 32-256 tokens (the smoke test)")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.hidden, args.layers, args.samples, args.max_len, args.repeats = 64, 1, 8, 256, 1
+    smoke = dict(hidden=64, layers=1, samples=8, max_len=256, repeats=1)
+    args = C.parse_args(ap, argv, quick="a tiny model and 32-256 tokens (the smoke test)", **smoke)
     dev = torch.device(args.device)
     rng = random.Random(0)
     batch = make_batch(rng, length_mix(rng, args.samples, args.min_len, args.max_len), group_size=4)

@@ -113,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=300, help="groups per side per round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="30 groups, 1 round")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.groups, args.rounds = 30, 1
+    args = C.parse_args(ap, argv, quick="30 groups, 1 round", groups=30, rounds=1)
     if args.groups <= WARM:
         ap.error(f"--groups must be above the {WARM} of the warm-up run")
 

@@ -24,7 +24,6 @@ import contextlib
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,35 +33,10 @@ import common as C  # noqa: E402
 
 from producers.fake_server import FakeCompletionsServer, canned  # noqa: E402
 from streamer.admission import Admission  # noqa: E402
-from streamer.config import write_toml  # noqa: E402
 from streamer.connection import connect  # noqa: E402
-from streamer.keys import Keys  # noqa: E402
 
 GOAL = 3.5
 INFLIGHT_GOAL = 0.9
-WIDE_OPEN = 10**9
-
-
-def write_config(
-    path: Path, *, run: str, redis_url: str, sampler_url: str, group_size: int, concurrency: int = 1
-) -> Path:
-    producer = {
-        "sampler": "remote",
-        "remote_url": sampler_url,
-        "group_size": group_size,
-        "min_group_size": 1,
-        "max_new_tokens": 2,
-        "shutdown_grace": 5.0,
-        "concurrency": concurrency,
-        "remote_concurrency": max(8, concurrency),
-    }
-    tree = {
-        "run": {"name": run, "redis_url": redis_url, "data_dir": str(path.parent)},
-        "trainer": {"groups_per_step": WIDE_OPEN},
-        "bus": {"max_unacked": WIDE_OPEN},
-        "producer": producer,
-    }
-    return write_toml(path, tree)
 
 
 def measure(
@@ -77,18 +51,15 @@ def measure(
     concurrency: int = 1,
 ) -> float:
     """Groups per second published by ``n`` producer processes, ``concurrency`` rows each."""
-    keys = Keys(f"bench{uuid.uuid4().hex[:8]}")
+    keys = C.fresh_keys()
     client = connect(redis_url)
     gate = Admission(client, keys, max_staleness=0, groups_per_step=1)
     gate.publish_limits(max_staleness=0, groups_per_step=0)  # shut until every producer is up
-    config = write_config(
-        workdir / f"{keys.run}.toml",
-        run=keys.run,
-        redis_url=redis_url,
-        sampler_url=sampler_url,
-        group_size=group_size,
-        concurrency=concurrency,
+    producer = C.remote_producer(
+        sampler_url, group_size=group_size, concurrency=concurrency, min_group_size=1
     )
+    wide_open = {"trainer": {"groups_per_step": C.WIDE_OPEN}, "bus": {"max_unacked": C.WIDE_OPEN}}
+    config = C.write_run_config(workdir, keys, redis_url, **wide_open, producer=producer)
     procs = [C.spawn_role("produce", config, "--id", f"p{i}") for i in range(n)]
     try:
         deadline = time.monotonic() + 90
@@ -96,7 +67,7 @@ def measure(
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise SystemExit(f"{n} producers did not start")
             time.sleep(0.1)
-        gate.publish_limits(max_staleness=0, groups_per_step=WIDE_OPEN)
+        gate.publish_limits(max_staleness=0, groups_per_step=C.WIDE_OPEN)
         time.sleep(warmup)
         start, t0 = client.xlen(keys.traj), time.monotonic()
         time.sleep(window)

@@ -168,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     C.add_server_args(ap)
     ap.set_defaults(repeats=3)
     ap.add_argument("--baseline", type=Path, help="another source tree to start the same roles from")
-    ap.add_argument("--quick", action="store_true", help="one repeat (smoke test)")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.repeats = 1
+    args = C.parse_args(ap, argv, quick="one repeat (smoke test)", repeats=1)
     trees = {"this": C.ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     runs: dict[str, list[dict[str, float]]] = {side: [] for side in trees}
     start = time.monotonic()

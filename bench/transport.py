@@ -302,9 +302,7 @@ def vs_pipelinerl(client, url: str, args, tokens: int) -> tuple[list, dict[str, 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     C.add_server_args(ap)
-    ap.add_argument("--sizes", default="512,4096", help="tokens per sample, comma separated")
-    ap.add_argument("--group-size", type=int, default=8, help="samples per group (G)")
-    ap.add_argument("--mb", type=float, default=60.0, help="payload MB per repeat, vs-raw part")
+    C.add_payload_args(ap, mb=60.0, mb_help="payload MB per repeat, vs-raw part")
     ap.add_argument(
         "--pipelinerl-mb",
         type=float,
@@ -320,12 +318,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="publish and consume in two processes at once (a running system) "
         "instead of one after the other in this process",
     )
-    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.mb, args.pipelinerl_mb, args.repeats = 1.0, 0.5, 1
-    args.sizes = [int(s) for s in args.sizes.split(",")]
-    return args
+    return C.parse_args(ap, argv, quick="tiny sizes for a smoke test", mb=1.0, pipelinerl_mb=0.5, repeats=1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,12 +66,10 @@ from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
 from streamer import demo, disk, weights
 from streamer.admission import Admission
 from streamer.bus import FIELD, as_str, entry_event
-from streamer.config import write_toml
 from streamer.connection import connect
 from streamer.keys import Keys
 
 GOAL = 1.5
-WIDE_OPEN = 10**9
 WAIT = 120.0  # seconds any one wait may take before the bench gives up loudly
 
 
@@ -144,7 +142,7 @@ def producer_child(config: str, producer_id: str, latency: float, *, verify: str
 
 
 def write_config(
-    path: Path, *, run: str, url: str, model: str, lora_rank: int = 0, verify: str = "manifest"
+    workdir: Path, keys, *, url: str, model: str, lora_rank: int = 0, verify: str = "manifest"
 ) -> Path:
     model_section: dict = {"name_or_path": model}
     if lora_rank:
@@ -157,14 +155,15 @@ def write_config(
         "torch_threads": 1,
         "shutdown_grace": 5.0,
     }
-    tree = {
-        "weights": {"verify": "full" if verify == "full" else "manifest"},
-        "run": {"name": run, "redis_url": url, "data_dir": str(path.parent)},
-        "model": model_section,
-        "bus": {"max_unacked": WIDE_OPEN},
-        "producer": producer,
-    }
-    return write_toml(path, tree)
+    return C.write_run_config(
+        workdir,
+        keys,
+        url,
+        weights={"verify": "full" if verify == "full" else "manifest"},
+        model=model_section,
+        bus={"max_unacked": C.WIDE_OPEN},
+        producer=producer,
+    )
 
 
 def spawn(config: Path, producer_id: str, args) -> subprocess.Popen:
@@ -348,16 +347,9 @@ def measure(
         published = lora.AdapterView(model)
     keys = C.fresh_keys("wsync")
     client = C.bench_client(url)
-    config = write_config(
-        workdir / f"{keys.run}.toml",
-        run=keys.run,
-        url=url,
-        model=source,
-        lora_rank=lora_rank,
-        verify=args.verify,
-    )
+    config = write_config(workdir, keys, url=url, model=source, lora_rank=lora_rank, verify=args.verify)
     Admission(client, keys, max_staleness=0, groups_per_step=1).publish_limits(
-        max_staleness=0, groups_per_step=WIDE_OPEN
+        max_staleness=0, groups_per_step=C.WIDE_OPEN
     )
     publisher = VersionPublisher(
         client, keys, root=workdir / keys.run / "weights", keep_versions=3, protect=lambda: -1
@@ -527,14 +519,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="LoRA ranks to measure each model at (0 = full weights)",
     )
     ap.add_argument("--no-verify", dest="verify", action="store_const", const="none", help="= --verify none")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     ap.add_argument(
         "--producer-child", nargs=4, metavar=("CONFIG", "ID", "LATENCY", "VERIFY"), help=argparse.SUPPRESS
     )
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.models, args.producers, args.versions = ["demo"], [1, 2], 2
-    return args
+    smoke = dict(models=["demo"], producers=[1, 2], versions=2)
+    return C.parse_args(ap, argv, quick="tiny sizes for a smoke test", **smoke)
 
 
 def main(argv: list[str] | None = None) -> int:
