@@ -28,6 +28,7 @@ from schemas import DeadLetter, DecodeError, TrajectoryGroup
 from streamer import demo, lifecycle
 from streamer.bus import entry_event
 from streamer.config import TrainerSection
+from streamer.connection import connect
 from streamer.keys import TRAINER_GROUP, Keys
 
 REPORT_ENV = "STREAMER_RELIABILITY_REPORT"
@@ -138,6 +139,18 @@ def run_config(path: Path, keys: Keys, data_dir: Path, **sections: dict) -> Path
     return write_config(path, base)
 
 
+def run_config_in(tmp_path: Path, keys: Keys, *, sampler_url: str = "", **sections: dict) -> Path:
+    """:func:`run_config` at ``tmp_path/run.toml`` with the data under ``tmp_path/data``; with
+    ``sampler_url``, producers sample from that inference server."""
+    if sampler_url:
+        sections["producer"] = {
+            "sampler": "remote",
+            "remote_url": sampler_url,
+            **sections.get("producer", {}),
+        }
+    return run_config(tmp_path / "run.toml", keys, tmp_path / "data", **sections)
+
+
 # ---------------------------------------------------------------- a fake inference server
 
 
@@ -190,6 +203,13 @@ class NoisyBackend:
 def keep_everything(client, keys: Keys) -> None:
     """Create the audit group before anything is published, so the stream keeps every entry."""
     client.xgroup_create(keys.traj, AUDIT_GROUP, id="0", mkstream=True)
+
+
+def audited_client(url: str, keys: Keys):
+    """A client of ``url``; the run's trajectory stream keeps every entry (:func:`keep_everything`)."""
+    client = connect(url)
+    keep_everything(client, keys)
+    return client
 
 
 @dataclass

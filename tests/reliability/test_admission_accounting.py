@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from harness import report, run_config
+from harness import report, run_config, run_config_in
 from trainer_data import make_group, publish
 from waits import wait_until
 
@@ -47,13 +47,7 @@ def test_dead_letters_and_slotless_rejections_neither_wedge_nor_go_negative(
     client = connect(url)
     server, _ = inference
     trainer = {"groups_per_step": 2, "max_staleness": 0, "steps": 4, "checkpoint_every": 2}
-    config = run_config(
-        tmp_path / "run.toml",
-        keys,
-        tmp_path / "data",
-        trainer=trainer,
-        producer={"sampler": "remote", "remote_url": server.url},
-    )
+    config = run_config_in(tmp_path, keys, sampler_url=server.url, trainer=trainer)
     junk = _junk_holding_slots(client, keys, 2, staleness=0, per_step=2)  # the whole window
     client.delete(keys.leases, keys.lease_owner, keys.lease_slots, keys.requeue)  # the junk producer's
     rng = random.Random(3)

@@ -11,13 +11,12 @@ import threading
 
 import pytest
 from bounds import RUN, START
-from harness import audit, keep_everything, report, run_config
+from harness import audit, audited_client, report, run_config_in
 from waits import wait_until
 
 from consumers import checkpoint
 from streamer.bus import unacked
 from streamer.config import TrainerSection
-from streamer.connection import connect
 
 pytestmark = pytest.mark.slow
 
@@ -27,15 +26,13 @@ TRAINER = {"groups_per_step": 4, "steps": STEPS, "checkpoint_every": 1000, "max_
 
 def test_run_completes_under_backpressure_with_rare_checkpoints(redis_url, keys, procs, inference, tmp_path):
     server, _ = inference
-    client = connect(redis_url)
-    keep_everything(client, keys)
-    config = run_config(
-        tmp_path / "run.toml",
+    client = audited_client(redis_url, keys)
+    config = run_config_in(
+        tmp_path,
         keys,
-        tmp_path / "data",
+        sampler_url=server.url,
         trainer=TRAINER,
         bus={"max_unacked": MAX_UNACKED, "block_seconds": 0.5, "socket_timeout": 3.0},
-        producer={"sampler": "remote", "remote_url": server.url},
     )
     args = ("--config", str(config), "--redis-url", redis_url)
     for i in range(PRODUCERS):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import report, run_config
+from harness import report, run_config_in
 from trainer_data import REPO, make_group, publish
 
 from consumers.archive import Archiver
@@ -42,7 +42,7 @@ def test_a_bad_value_is_one_line_naming_its_key(private_valkey, procs, tmp_path,
         client.rpush(getattr(keys, key), *value)
     else:
         client.set(getattr(keys, key), value)
-    config = run_config(tmp_path / "run.toml", keys, tmp_path / "data", producer={"max_groups": 1})
+    config = run_config_in(tmp_path, keys, producer={"max_groups": 1})
     procs.start(role, role, "--config", str(config), "--redis-url", url)
     code = procs.wait(role, 180)
     log = procs.log(role)

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 from bounds import RUN, START
-from harness import audit, keep_everything, report, run_config
+from harness import audit, audited_client, report, run_config_in
 from waits import wait_until
 
 from streamer.config import TrainerSection
-from streamer.connection import connect
 from streamer.keys import TRAINER_GROUP
 
 pytestmark = pytest.mark.slow
@@ -96,16 +95,8 @@ def _stall(trainer, client, keys, procs, *, standby: bool, attempts: int = 20) -
 def test_trainer_stalled_past_claim_idle_trains_its_entries_once(redis_url, keys, procs, inference, tmp_path):
     server, _ = inference
     server.latency = 0.05  # paces the producer: both stalls fall inside the run
-    client = connect(redis_url)
-    keep_everything(client, keys)
-    config = run_config(
-        tmp_path / "run.toml",
-        keys,
-        tmp_path / "data",
-        bus=BUS,
-        trainer=TRAINER,
-        producer={"sampler": "remote", "remote_url": server.url},
-    )
+    client = audited_client(redis_url, keys)
+    config = run_config_in(tmp_path, keys, sampler_url=server.url, bus=BUS, trainer=TRAINER)
     args = ("--config", str(config), "--redis-url", redis_url)
     procs.start("producer", "produce", *args, "--id", "p0")
     trainer = procs.start("trainer", "train", *args)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from bounds import RUN, START
-from harness import audit, keep_everything, policy_version_list, report, run_config
+from harness import audit, audited_client, policy_version_list, report, run_config_in
 from waits import wait_until
 
 from consumers import checkpoint
@@ -38,15 +38,14 @@ def test_a_master_failover_loses_nothing_acted_on(procs, inference, tmp_path):
             for k in map(Keys, (f"failover{i}" for i in range(64)))
             if cluster.master_of(k.traj) != cluster.nodes[0]
         )
-        client = connect(cluster.url)
-        keep_everything(client, keys)
-        config = run_config(
-            tmp_path / "run.toml",
+        client = audited_client(cluster.url, keys)
+        config = run_config_in(
+            tmp_path,
             keys,
-            tmp_path / "data",
+            sampler_url=server.url,
             bus={"max_unacked": 16, "min_replicas": 1, "replica_timeout": 1.0},
             trainer={**TRAINER, "steps": steps},
-            producer={"sampler": "remote", "remote_url": server.url, "max_groups": groups},
+            producer={"max_groups": groups},
         )
         server.latency = 0.05  # paces the producer: the failover falls inside the run
         common = ("--config", str(config), "--redis-url", cluster.url)

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import torch
 from bounds import START
-from harness import audit, keep_everything, report, rss_mb, run_config
+from harness import audit, audited_client, report, rss_mb, run_config_in
 from payloads import (
     COMMON,
     VOCAB,
@@ -38,7 +38,6 @@ from consumers.filters import GroupFilter, unusable
 from schemas import DeadLetter, MetricsEvent, TrajectoryGroup, decode, encode
 from streamer.bus import FIELD, entry, entry_event, unacked
 from streamer.config import TrainerSection
-from streamer.connection import connect
 from streamer.keys import METRICS_GROUP
 from streamer.server import free_port
 
@@ -92,15 +91,10 @@ def _dead(client, keys) -> dict[tuple[str, str], str]:
 
 def test_fuzzed_streams_are_dead_lettered_and_consumers_keep_working(redis_url, keys, procs, tmp_path):
     rng = random.Random(20261210)
-    client = connect(redis_url)
-    keep_everything(client, keys)
+    client = audited_client(redis_url, keys)
     port = free_port()
-    config = run_config(
-        tmp_path / "run.toml",
-        keys,
-        tmp_path / "data",
-        trainer=TRAINER,
-        bus={"block_seconds": 0.5, "max_unacked": 100_000},
+    config = run_config_in(
+        tmp_path, keys, trainer=TRAINER, bus={"block_seconds": 0.5, "max_unacked": 100_000}
     )
     args = ("--config", str(config), "--redis-url", redis_url)
     trainer = procs.start("trainer", "train", *args)

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from harness import report, run_config
+from harness import report, run_config_in
 
 from producers import rollout as rollouts
 from producers.components import build
@@ -290,9 +290,7 @@ def test_a_producer_process_fed_hostile_replies_keeps_producing(procs, redis_url
 
     with RawServer(answer) as service:
         producer = {"rollout": service.url, "group_size": 2, "min_group_size": 2, "max_groups": 3}
-        config = run_config(
-            tmp_path / "run.toml", keys, tmp_path / "data", producer={**producer, "max_reply_bytes": 4096}
-        )
+        config = run_config_in(tmp_path, keys, producer={**producer, "max_reply_bytes": 4096})
         procs.start("producer", "produce", "--config", str(config), "--redis-url", redis_url)
         code = procs.wait("producer", 180)
     log = procs.log("producer")

@@ -15,7 +15,7 @@ import random
 import shutil
 
 import pytest
-from harness import report, run_config
+from harness import report, run_config_in
 from trainer_data import make_group, policy_versions, publish
 from waits import wait_until
 
@@ -43,7 +43,7 @@ def test_a_server_that_lost_its_data_reuses_no_version_and_prunes_nothing_new(
 ):
     url, keys, rng = private_valkey.url, Keys("lost"), random.Random(5)
     trainer = {"groups_per_step": 2, "checkpoint_every": 2, "keep_versions": 2, "max_staleness": 100}
-    config = run_config(tmp_path / "run.toml", keys, tmp_path / "data", trainer=trainer)
+    config = run_config_in(tmp_path, keys, trainer=trainer)
     ckpts, wdir = tmp_path / "data" / keys.run / "checkpoints", tmp_path / "data" / keys.run / "weights"
     args = ("--config", str(config), "--redis-url", url)
     client = connect(url)
@@ -85,9 +85,7 @@ def test_a_server_that_lost_its_data_reuses_no_version_and_prunes_nothing_new(
 def test_staleness_after_a_restore_is_the_distance_along_the_version_tree(private_valkey, procs, tmp_path):
     url, keys, rng = private_valkey.url, Keys("tree"), random.Random(6)
     trainer = {"groups_per_step": 2, "checkpoint_every": 1000, "max_staleness": 1}
-    config = run_config(
-        tmp_path / "run.toml", keys, tmp_path / "data", trainer=trainer, bus={"max_unacked": 1000}
-    )
+    config = run_config_in(tmp_path, keys, trainer=trainer, bus={"max_unacked": 1000})
     args = ("--config", str(config), "--redis-url", url)
     client = connect(url)
     procs.start("trainer", "train", *args)

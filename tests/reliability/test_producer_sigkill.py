@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 from bounds import RUN, START
-from harness import report, run_config
+from harness import report, run_config_in
 from waits import wait_until
 
 from schemas import TrajectoryGroup
@@ -39,13 +39,11 @@ def test_producers_sigkilled_mid_row_publish_every_row_exactly_once(
     dataset.write_text(
         "".join(f'{{"prompt": "{i % 5}+{i % 4}=", "answer": "{i % 5 + i % 4}"}}\n' for i in range(ROWS))
     )
-    config = run_config(
-        tmp_path / "run.toml",
+    config = run_config_in(
+        tmp_path,
         keys,
-        tmp_path / "data",
+        sampler_url=server.url,
         producer={
-            "sampler": "remote",
-            "remote_url": server.url,
             "group_size": G,
             "min_group_size": G,
             "dataset": str(dataset),

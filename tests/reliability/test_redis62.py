@@ -11,7 +11,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from harness import report, run_config
+from harness import report, run_config_in
 from waits import wait_until
 
 from streamer.connection import check_server, connect
@@ -40,12 +40,11 @@ def test_a_short_run_on_redis_6_2(redis62, procs, inference, tmp_path):
     client = connect(url)
     assert check_server(client, url)[:2] == (6, 2)
     server, _ = inference
-    config = run_config(
-        tmp_path / "run.toml",
+    config = run_config_in(
+        tmp_path,
         keys,
-        tmp_path / "data",
+        sampler_url=server.url,
         trainer={"groups_per_step": 2, "steps": 3, "checkpoint_every": 1},
-        producer={"sampler": "remote", "remote_url": server.url},
         bus={"claim_idle_seconds": 1.0},
     )
     args = ("--config", str(config), "--redis-url", url)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import NoisyBackend, report, run_config
+from harness import NoisyBackend, report, run_config_in
 
 from producers.fake_server import BadRequest, FakeCompletionsServer
 from streamer.connection import connect
@@ -25,7 +25,7 @@ def test_rows_without_the_rewards_field_are_refused_before_any_work(procs, redis
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2+2="}, {"prompt": "3+3="}]
     data = _dataset(tmp_path / "rows.jsonl", rows)
     keys = Keys("norew")
-    config = run_config(tmp_path / "run.toml", keys, tmp_path / "data", producer={"dataset": str(data)})
+    config = run_config_in(tmp_path, keys, producer={"dataset": str(data)})
     procs.start("producer", "produce", "--config", str(config), "--redis-url", redis_url)
     assert procs.wait("producer", 120) == 2, procs.tails()
     log = procs.log("producer")
@@ -47,18 +47,11 @@ def test_a_row_that_always_fails_is_skipped_with_its_reason(private_valkey, proc
     data = _dataset(tmp_path / "rows.jsonl", rows)
     url, keys = private_valkey.url, Keys("skip")
     with FakeCompletionsServer(backend) as server:
-        config = run_config(
-            tmp_path / "run.toml",
+        config = run_config_in(
+            tmp_path,
             keys,
-            tmp_path / "data",
-            producer={
-                "dataset": str(data),
-                "sampler": "remote",
-                "remote_url": server.url,
-                "remote_retries": 0,
-                "epochs": 1,
-                "max_row_attempts": 2,
-            },
+            sampler_url=server.url,
+            producer={"dataset": str(data), "remote_retries": 0, "epochs": 1, "max_row_attempts": 2},
         )
         procs.start("producer", "produce", "--config", str(config), "--redis-url", url, "--id", "p0")
         code = procs.wait("producer", 180)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from bounds import RUN, START
-from harness import keep_everything, report, run_config
+from harness import keep_everything, report, run_config_in
 from needs import need, need_tool
 from trainer_data import REPO
 from waits import wait_until
@@ -52,11 +52,15 @@ ACL = [
 PACKAGES = ("streamer", "producers", "consumers", "schemas")
 
 
-def _server(argv: list[str], url: str, log: Path) -> subprocess.Popen:
+def _server(binary: str, *options: str, url: str, log: Path) -> subprocess.Popen:
+    """``binary`` with ``options`` on 127.0.0.1, without persistence, serving only the ACL
+    user; returned once ``url`` answers."""
+    no_disk = ["--save", "", "--appendonly", "no", "--dir", str(log.parent)]
+    argv = [binary, *options, "--bind", "127.0.0.1", *no_disk, *ACL]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        wait_until(lambda: proc.poll() is not None or _answers(url), timeout=15, what=f"server {argv[0]}")
+        wait_until(lambda: proc.poll() is not None or _answers(url), timeout=15, what=f"server {binary}")
     except AssertionError:
         proc.kill()
         raise
@@ -74,21 +78,8 @@ def _answers(url: str) -> bool:
 @pytest.fixture
 def acl_valkey(tmp_path):
     port = free_port()
-    argv = [
-        str(valkey_binary()),
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(tmp_path),
-        *ACL,
-    ]
-    proc = _server(argv, f"redis://streamer:{SECRET}@127.0.0.1:{port}/0", tmp_path / "valkey.log")
+    url = f"redis://streamer:{SECRET}@127.0.0.1:{port}/0"
+    proc = _server(str(valkey_binary()), "--port", str(port), url=url, log=tmp_path / "valkey.log")
     yield port
     proc.kill()
     proc.wait()
@@ -123,34 +114,12 @@ def tls_redis(tmp_path):
         capture_output=True,
     )
     port = free_port()
-    argv = [
-        server,
-        "--port",
-        "0",
-        "--tls-port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--tls-cert-file",
-        str(cert),
-        "--tls-key-file",
-        str(key),
-        "--tls-ca-cert-file",
-        str(cert),
-        "--tls-auth-clients",
-        "no",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(tmp_path),
-        *ACL,
-    ]
+    tls = ["--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    tls += ["--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
     url = f"rediss://streamer:{SECRET}@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
     log = tmp_path / "redis.log"
     try:
-        proc = _server(argv, url, log)
+        proc = _server(server, "--port", "0", *tls, url=url, log=log)
     except AssertionError:
         need(False, f"redis-server could not serve TLS here: {log.read_text()[-300:]}")
     yield url, cert
@@ -216,13 +185,13 @@ def test_tls_and_acl_for_real_processes_without_leaking_the_secret(tls_redis, pr
     keys = Keys("tls")
     keep_everything(client, keys)  # the trainer trims what it acknowledged; count it all here
     port = free_port()
-    config = run_config(
-        tmp_path / "run.toml",
+    config = run_config_in(
+        tmp_path,
         keys,
-        tmp_path / "data",
+        sampler_url=server.url,
         trainer={"steps": 2, "max_staleness": 1000},
         run={"redis_url": url},
-        producer={"sampler": "remote", "remote_url": server.url, "max_groups": 6},
+        producer={"max_groups": 6},
         metrics={"port": port},
     )
     for name, role in (("trainer", "train"), ("producer", "produce"), ("metrics", "metrics")):

@@ -19,7 +19,7 @@ import time
 import pytest
 import redis
 from bounds import RUN, START
-from harness import audit, keep_everything, policy_version_list, report, run_config
+from harness import audit, audited_client, policy_version_list, report, run_config_in
 from waits import wait_until
 
 from consumers import checkpoint
@@ -98,15 +98,14 @@ def test_sigkill_and_restart_with_appendfsync_always(private_valkey, procs, infe
     # backpressure (16 unacked) holds the producer back until after the restart, where it
     # finishes its 30 groups (the trainer's 12 steps consume 24, making room for 40)
     url, keys, steps, groups = private_valkey.url, Keys("restart"), 12, 30
-    client = connect(url)
-    keep_everything(client, keys)
-    config = run_config(
-        tmp_path / "run.toml",
+    client = audited_client(url, keys)
+    config = run_config_in(
+        tmp_path,
         keys,
-        tmp_path / "data",
+        sampler_url=server.url,
         bus={"max_unacked": 16},
         trainer={**TRAINER, "steps": steps},
-        producer={"sampler": "remote", "remote_url": server.url, "max_groups": groups},
+        producer={"max_groups": groups},
         eval={"eval_every": 2},
     )
     server.latency = 0.05  # paces the producer: the restart falls inside the run
@@ -213,15 +212,13 @@ def test_server_unavailable_for_20_seconds(private_valkey, procs, inference, tmp
     server, _ = inference
     server.latency = 0.05  # paces the producer: the outage falls inside the run
     url, keys, steps = private_valkey.url, Keys("sigstop"), 12
-    client = connect(url)
-    keep_everything(client, keys)
-    config = run_config(
-        tmp_path / "run.toml",
+    client = audited_client(url, keys)
+    config = run_config_in(
+        tmp_path,
         keys,
-        tmp_path / "data",
+        sampler_url=server.url,
         bus={"max_unacked": 32, "block_seconds": 0.5, "socket_timeout": 2.0},
         trainer={**TRAINER, "steps": steps},
-        producer={"sampler": "remote", "remote_url": server.url},
         eval={"eval_every": 2},
     )
     _start_pipeline(procs, url, config, free_port())  # the evaluator's outages: the restart test

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import report, run_config
+from harness import report, run_config_in
 from trainer_data import REPO, make_group, publish
 from waits import wait_until
 
@@ -30,10 +30,9 @@ def _status(config, url) -> tuple[int, str]:
 
 def test_status_names_each_reason_a_run_is_stuck(private_valkey, procs, tmp_path):
     url, keys, rng = private_valkey.url, Keys("why"), random.Random(2)
-    config = run_config(
-        tmp_path / "run.toml",
+    config = run_config_in(
+        tmp_path,
         keys,
-        tmp_path / "data",
         trainer={"groups_per_step": 2, "max_staleness": 0, "checkpoint_every": 1},
         metrics={"stall_seconds": 1.0},
     )

@@ -14,12 +14,11 @@ import time
 
 import pytest
 from bounds import RUN, START
-from harness import audit, keep_everything, policy_version_list, report, run_config
+from harness import audit, audited_client, policy_version_list, report, run_config_in
 from waits import wait_until
 
 from consumers import checkpoint
 from streamer.config import TrainerSection
-from streamer.connection import connect
 from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow
@@ -31,18 +30,10 @@ TRAINER = {"groups_per_step": 2, "steps": STEPS, "checkpoint_every": 2, "max_sta
 def test_trainer_sigkilled_five_times_loses_and_repeats_nothing(private_valkey, procs, inference, tmp_path):
     rng = random.Random(20261207)
     url, keys = private_valkey.url, Keys("tkill")
-    client = connect(url)
-    keep_everything(client, keys)
+    client = audited_client(url, keys)
     server, _ = inference
     server.latency = 0.03  # paces the producer (~70 ms a step): kills land within steps, not after the run
-    config = run_config(
-        tmp_path / "run.toml",
-        keys,
-        tmp_path / "data",
-        bus={"max_unacked": 32},
-        trainer=TRAINER,
-        producer={"sampler": "remote", "remote_url": server.url},
-    )
+    config = run_config_in(tmp_path, keys, sampler_url=server.url, bus={"max_unacked": 32}, trainer=TRAINER)
     ckpt_dir = tmp_path / "data" / keys.run / "checkpoints"
     procs.start("producer", "produce", "--config", str(config), "--redis-url", url, "--id", "p0")
     redone, restores = 0, 0  # restores: starts that found a checkpoint, so must log its restore

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from harness import report, run_config
+from harness import report, run_config_in
 from trainer_data import make_group, publish
 from waits import wait_until
 
@@ -18,10 +18,9 @@ pytestmark = pytest.mark.slow
 
 def test_rejected_groups_are_trimmed_without_a_checkpoint(private_valkey, procs, tmp_path):
     url, keys, rng = private_valkey.url, Keys("flat"), random.Random(9)
-    config = run_config(
-        tmp_path / "run.toml",
+    config = run_config_in(
+        tmp_path,
         keys,
-        tmp_path / "data",
         trainer={"groups_per_step": 2, "checkpoint_every": 1000},
         bus={"block_seconds": 0.5, "socket_timeout": 3.0},
     )
