@@ -46,7 +46,7 @@ ROLES = ("archive", "samples", "status", "plot", "metrics", "up")
 WAIT = 120.0  # seconds a role may take to start before the bench gives up loudly
 # `up` with each role replaced by a placeholder: what is measured is `up` itself
 UP = (
-    "import sys; from streamer import cli, up; "
+    "import sys; from streamer import cli; from streamer.cli import up; "
     "up._role_argv = lambda cmd, cfg, args, *extra: ['sleep', '300']; "
     "sys.exit(cli.main(sys.argv[1:]))"
 )
