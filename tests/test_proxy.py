@@ -9,6 +9,7 @@ import anyio
 import httpx
 import openai
 import pytest
+from contexts import context, threaded
 
 from producers.components import load_task
 from producers.producer import Producer
@@ -46,21 +47,9 @@ def _task():
     return load_task(demo.config(), dataset="demo", rows=[ROW])
 
 
-def _ctx(task, sampler, *, group_size: int = 1, max_seq_len: int = 0, version: int = 3) -> RolloutContext:
-    async def sample_fn(prompt_ids, **kwargs):
-        out = await anyio.to_thread.run_sync(lambda: sampler.sample(prompt_ids, **kwargs))
-        return [Completion(c.token_ids, c.logprobs, c.finish_reason, version) for c in out]
-
-    return RolloutContext(
-        task=task,
-        group_size=group_size,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=4,
-        seed=1,
-        sample_fn=sample_fn,
-        max_seq_len=max_seq_len,
-    )
+def _ctx(task, sampler, **over) -> RolloutContext:
+    """``sampler`` as a producer calls it, its completions stamped with version 3."""
+    return context(task, threaded(sampler, version=3), **over)
 
 
 def _client(endpoint: Endpoint) -> openai.AsyncOpenAI:

@@ -16,11 +16,12 @@ import time
 import anyio
 import httpx
 import pytest
+from contexts import context, threaded
 
 from producers.components import load_task
 from producers.proxy import MAX_PROMPT_TOKENS, ProxyServer
 from streamer import demo
-from streamer.rollout.contract import Completion, RolloutContext
+from streamer.rollout.contract import Completion
 
 ROW = {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}
 GOOD = json.dumps({"model": "m", "messages": ROW["messages"]}).encode()
@@ -36,23 +37,6 @@ class Counting:
     def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=None):
         self.calls += 1
         return [Completion(list(self.ids), [-0.5] * len(self.ids), "stop") for _ in range(n)]
-
-
-def _ctx(sampler, task, max_seq_len: int = 0) -> RolloutContext:
-    async def sample_fn(prompt_ids, **kwargs):
-        out = await anyio.to_thread.run_sync(lambda: sampler.sample(prompt_ids, **kwargs))
-        return [Completion(c.token_ids, c.logprobs, c.finish_reason, 0) for c in out]
-
-    return RolloutContext(
-        task=task,
-        group_size=1,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=4,
-        seed=1,
-        sample_fn=sample_fn,
-        max_seq_len=max_seq_len,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +65,7 @@ def _in_session(proxy: ProxyServer, task, fn, *, sampler=None, max_seq_len: int 
     sampler = sampler or Counting(task.renderer)
 
     async def main():
-        with proxy.session(_ctx(sampler, task, max_seq_len)) as s:
+        with proxy.session(context(task, threaded(sampler), max_seq_len=max_seq_len)) as s:
             return await anyio.to_thread.run_sync(fn, proxy.httpd.server_address[1], s.endpoint.api_key)
 
     return anyio.run(main)
@@ -295,7 +279,7 @@ def test_a_hostile_engine_answer_to_an_agent_is_a_502_and_drops_the_rollout_with
         return 1.0
 
     with pytest.raises(BaseExceptionGroup) as group:
-        anyio.run(agent, ROW, _ctx(Hostile(task.renderer), task))
+        anyio.run(agent, ROW, context(task, threaded(Hostile(task.renderer))))
     (error,) = group.value.exceptions
     assert seen == [502] and isinstance(error, EpisodeRejected) and error.reason == "bad_token"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "no traceback logged"
