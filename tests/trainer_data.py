@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from samples import group
 
 from schemas import Sample, TrajectoryGroup
 from streamer import demo
@@ -80,15 +81,8 @@ def make_group(
         make_sample(rng, version=version, reward=r, finish=f, model=model, prompt=prompt)
         for r, f in zip(rewards, finishes)
     ]
-    return TrajectoryGroup(
-        group_id=group_id or uuid.UUID(int=rng.getrandbits(128)).hex,
-        row=row,
-        epoch=0,
-        producer_id="test",
-        samples=samples,
-        policy_version=min(s.version for s in samples),
-        created_at=0.0,
-    )
+    group_id = group_id or uuid.UUID(int=rng.getrandbits(128)).hex
+    return group(samples, group_id=group_id, row=row, producer_id="test", created_at=0.0)
 
 
 def publish(client, stream: str, groups) -> list[str]:
