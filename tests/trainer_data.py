@@ -102,6 +102,16 @@ def write_config(path: Path, sections: dict[str, dict]) -> Path:
     return write_toml(path, sections)
 
 
+def trainer_config(tmp_path: Path, run: str, **sections: dict) -> Path:
+    """``tmp_path/run.toml`` for run ``run`` with its data in ``tmp_path/data``: a trainer at
+    lr 1e-3 that checkpoints every 2 steps and keeps 2 versions, then ``sections``' keys."""
+    tree = {"run": {"name": run, "data_dir": str(tmp_path / "data")}}
+    tree["trainer"] = {"lr": 1e-3, "checkpoint_every": 2, "keep_versions": 2}
+    for name, fields in sections.items():
+        tree[name] = {**tree.get(name, {}), **fields}
+    return write_config(tmp_path / "run.toml", tree)
+
+
 def start_trainer(config: Path, url: str, log: Path) -> subprocess.Popen:
     """`python -m streamer train` as a child process, logging to ``log``."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
