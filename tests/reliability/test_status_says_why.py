@@ -30,12 +30,9 @@ def _status(config, url) -> tuple[int, str]:
 
 def test_status_names_each_reason_a_run_is_stuck(private_valkey, procs, tmp_path):
     url, keys, rng = private_valkey.url, Keys("why"), random.Random(2)
+    trainer = {"groups_per_step": 2, "max_staleness": 0, "checkpoint_every": 1}
     config = run_config(
-        tmp_path / "run.toml",
-        keys,
-        tmp_path / "data",
-        trainer={"groups_per_step": 2, "max_staleness": 0, "checkpoint_every": 1},
-        metrics={"stall_seconds": 1.0},
+        tmp_path / "run.toml", keys, tmp_path / "data", trainer=trainer, metrics={"stall_seconds": 1.0}
     )
     client = connect(url)
     procs.start("trainer", "train", "--config", str(config), "--redis-url", url)

@@ -18,13 +18,9 @@ pytestmark = pytest.mark.slow
 
 def test_rejected_groups_are_trimmed_without_a_checkpoint(private_valkey, procs, tmp_path):
     url, keys, rng = private_valkey.url, Keys("flat"), random.Random(9)
-    config = run_config(
-        tmp_path / "run.toml",
-        keys,
-        tmp_path / "data",
-        trainer={"groups_per_step": 2, "checkpoint_every": 1000},
-        bus={"block_seconds": 0.5, "socket_timeout": 3.0},
-    )
+    trainer = {"groups_per_step": 2, "checkpoint_every": 1000}
+    bus = {"block_seconds": 0.5, "socket_timeout": 3.0}
+    config = run_config(tmp_path / "run.toml", keys, tmp_path / "data", trainer=trainer, bus=bus)
     client = connect(url)
     procs.start("trainer", "train", "--config", str(config), "--redis-url", url)
     wait_until(
