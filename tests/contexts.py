@@ -1,4 +1,4 @@
-"""Rollout contexts for tests that run a rollout without a producer around it."""
+"""Rollout contexts and a scripted sampler, for tests that run a rollout without a producer."""
 
 from __future__ import annotations
 
@@ -23,3 +23,25 @@ def threaded(sampler, version: int = 0) -> SampleFn:
         return [Completion(c.token_ids, c.logprobs, c.finish_reason, version) for c in out]
 
     return sample_fn
+
+
+class Scripted:
+    """A sampler that answers every prompt with the same text (+ the stop token, cut at
+    ``max_new_tokens``), keeping each prompt it was asked to complete."""
+
+    def __init__(self, renderer, text: str = "5"):
+        self.renderer = renderer
+        self.ids = [*renderer.tokenizer.encode(text, add_special_tokens=False), renderer.stop_ids[0]]
+        self.prompts: list[list[int]] = []
+
+    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=None):
+        self.prompts.append(list(prompt_ids))
+        ids = self.ids[:max_new_tokens]
+        finish = "stop" if ids[-1] == self.ids[-1] else "length"
+        return [Completion(list(ids), [-0.5] * len(ids), finish) for _ in range(n)]
+
+    def load_weights(self, directory) -> None:
+        raise AssertionError("no weights in these tests")
+
+    def close(self) -> None:
+        pass

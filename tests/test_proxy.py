@@ -9,7 +9,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from contexts import context, threaded
+from contexts import Scripted, context, threaded
 
 from producers.components import load_task
 from producers.producer import Producer
@@ -17,30 +17,9 @@ from producers.proxy import Endpoint, proxied, server
 from schemas import MetricsEvent, TrajectoryGroup, decode
 from streamer import demo
 from streamer.config import RunConfig, replace
-from streamer.rollout.contract import Completion, RolloutContext
+from streamer.rollout.contract import RolloutContext
 
 ROW = {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}
-
-
-class Scripted:
-    """A sampler that answers every prompt with the same text (+ the stop token)."""
-
-    def __init__(self, renderer, text: str = "5"):
-        self.renderer = renderer
-        self.ids = [*renderer.tokenizer.encode(text, add_special_tokens=False), renderer.stop_ids[0]]
-        self.prompts: list[list[int]] = []
-
-    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=None):
-        self.prompts.append(list(prompt_ids))
-        ids = self.ids[:max_new_tokens]
-        finish = "stop" if ids[-1] == self.ids[-1] else "length"
-        return [Completion(list(ids), [-0.5] * len(ids), finish) for _ in range(n)]
-
-    def load_weights(self, directory) -> None:
-        raise AssertionError("no weights in these tests")
-
-    def close(self) -> None:
-        pass
 
 
 def _task():
