@@ -248,6 +248,23 @@ def group(i: int, samples: list[Sample]) -> TrajectoryGroup:
     )
 
 
+def sampled_group(i: int, prompt: list[int], completions) -> TrajectoryGroup:
+    """Group ``i`` of what a sampler returned for ``prompt`` (a list of ``Completion``), as
+    sampled by version 0; rewards alternate 0, 1, 0, ... so no group has zero variance."""
+    samples = [
+        Sample.build(
+            prompt_ids=prompt,
+            completion_ids=c.token_ids,
+            logprobs=c.logprobs,
+            reward=float(j % 2),
+            finish_reason=c.finish_reason,
+            version=0,
+        )
+        for j, c in enumerate(completions)
+    ]
+    return group(i, samples)
+
+
 def as_plain_dict(group: TrajectoryGroup) -> dict:
     """The group as plain Python containers (token ids and log-probs as lists), the shape
     a pickle- or JSON-based transport carries."""

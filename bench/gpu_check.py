@@ -40,7 +40,7 @@ import common as C  # noqa: E402
 from consumers.batch import Batch, collate  # noqa: E402
 from consumers.learner import Learner  # noqa: E402
 from producers.samplers import LocalSampler  # noqa: E402
-from schemas import Sample, TrajectoryGroup  # noqa: E402
+from schemas import TrajectoryGroup  # noqa: E402
 from streamer import demo  # noqa: E402
 from streamer.config import TrainerSection  # noqa: E402
 
@@ -55,7 +55,7 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 
 
 def groups(model, n: int = 4, seed: int = 0) -> list[TrajectoryGroup]:
-    """n demo groups sampled by ``model`` where it lives, rewards alternating 1/0."""
+    """n demo groups sampled by ``model`` where it lives, rewards alternating 0/1."""
     tok = demo.tokenizer()
     sampler = LocalSampler(model, stop_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
     out = []
@@ -65,18 +65,7 @@ def groups(model, n: int = 4, seed: int = 0) -> list[TrajectoryGroup]:
         )
         prompt = list(prompt)
         done = sampler.sample(prompt, n=8, temperature=T, top_p=1.0, max_new_tokens=6, seed=seed + i)
-        samples = [
-            Sample.build(
-                prompt_ids=prompt,
-                completion_ids=c.token_ids,
-                logprobs=c.logprobs,
-                reward=float(j % 2),
-                finish_reason=c.finish_reason,
-                version=0,
-            )
-            for j, c in enumerate(done)
-        ]
-        out.append(C.group(i, samples))
+        out.append(C.sampled_group(i, prompt, done))
     return out
 
 

@@ -36,18 +36,16 @@ def heavy() -> dict[str, bool]:
     }
 
 
-def _http(port: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
+def _serves_metrics(port: str) -> bool:
+    """Whether the exporter on ``port`` answers /metrics; an OSError while it starts."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        return r.status == 200
 
 
 def _ready_check(ready: str, ticked: threading.Event):
     kind, _, arg = ready.partition(":")
     if kind == "http":
-        return lambda: _http(arg)
+        return lambda: _serves_metrics(arg)
     if kind == "file":
         return lambda: any(f.stat().st_size > 0 for f in Path(arg).glob("rollouts-*.jsonl.gz"))
     if kind == "up":
@@ -81,7 +79,7 @@ def main(out: str, ready: str, argv: list[str]) -> int:
 
         def watch() -> None:
             try:
-                wait_until(is_ready, timeout=WAIT, what=f"the role to start ({ready})")
+                wait_until(is_ready, timeout=WAIT, what=f"the role to start ({ready})", ignore=(OSError,))
             except AssertionError as e:
                 report["error"] = str(e)
             report["at_ready"] = heavy()

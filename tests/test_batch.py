@@ -6,22 +6,11 @@ import random
 
 import pytest
 import torch
+from samples import group
 from trainer_data import make_group
 
 from consumers.batch import collate
-from schemas import Sample, TrajectoryGroup
-
-
-def _group(samples, gid="g") -> TrajectoryGroup:
-    return TrajectoryGroup(
-        group_id=gid,
-        row=0,
-        epoch=0,
-        producer_id="t",
-        samples=samples,
-        policy_version=min(s.version for s in samples),
-        created_at=0.0,
-    )
+from schemas import Sample
 
 
 def _sample(prompt, completion, logprobs, *, reward, version=0, mask=None) -> Sample:
@@ -39,7 +28,7 @@ def _sample(prompt, completion, logprobs, *, reward, version=0, mask=None) -> Sa
 def test_alignment_with_different_prompt_lengths():
     a = _sample([11, 12, 13], [21, 22], [-0.1, -0.2], reward=1.0)
     b = _sample([14], [23, 24, 25, 26], [-1, -2, -3, -4], reward=0.0, mask=[1, 0, 1, 1])
-    batch = collate([_group([a, b])], pad_id=0)
+    batch = collate([group([a, b])], pad_id=0)
     assert batch.input_ids.tolist() == [[11, 12, 13, 21, 22], [14, 23, 24, 25, 26]]
     assert batch.attention_mask.tolist() == [[1] * 5, [1] * 5]
     # target t is input t+1: a's completion tokens 21, 22 are targets 2, 3
@@ -53,8 +42,8 @@ def test_alignment_with_different_prompt_lengths():
 def test_padding_and_group_advantages():
     short = _sample([1, 2], [3], [-0.5], reward=2.0, version=1)
     long = _sample([1, 2, 4, 5], [6, 7], [-1, -1], reward=0.0, version=2)
-    g1 = _group([short, long], "g1")
-    g2 = _group([long, short, short], "g2")
+    g1 = group([short, long], group_id="g1")
+    g2 = group([long, short, short], group_id="g2")
     batch = collate([g1, g2], pad_id=9, std_normalize=False)
     assert batch.input_ids.shape == (5, 6)
     assert batch.input_ids[0].tolist() == [1, 2, 3, 9, 9, 9]

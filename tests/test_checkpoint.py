@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from bounds import RUN, START
-from trainer_data import make_group, policy_versions, publish, start_trainer, write_config
+from trainer_data import make_group, policy_versions, publish, start_trainer, trainer_config
 from waits import wait_until
 
 from consumers import checkpoint
@@ -156,22 +156,8 @@ def test_sigkill_at_random_points_trains_each_group_exactly_once(private_valkey,
     for g in bad:
         stream.insert(rng.randrange(len(stream)), g)
     publish(client, keys.traj, stream)
-    config = write_config(
-        tmp_path / "run.toml",
-        {
-            "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
-            "bus": {"max_deliveries": 50},
-            "trainer": {
-                "groups_per_step": per_step,
-                "steps": steps,
-                "checkpoint_every": 2,
-                "max_staleness": 1000,
-                "lr": 1e-3,
-                "keep_checkpoints": 1,
-                "keep_versions": 2,
-            },
-        },
-    )
+    trainer = {"groups_per_step": per_step, "steps": steps, "max_staleness": 1000, "keep_checkpoints": 1}
+    config = trainer_config(tmp_path, keys.run, bus={"max_deliveries": 50}, trainer=trainer)
     ckpt_dir = tmp_path / "data" / keys.run / "checkpoints"
     log = tmp_path / "trainer.log"
     persisted: list[str] = []

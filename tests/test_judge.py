@@ -9,6 +9,7 @@ import threading
 
 import anyio
 import pytest
+from contexts import context
 
 from producers import httpd
 from producers.components import build
@@ -102,17 +103,8 @@ def _ctx(reward_fn, *, group_size: int = 4, limit: int = 4, timeout: float = 0.0
     async def sample_fn(prompt_ids, **kwargs):
         return sampler.sample(prompt_ids, **kwargs)
 
-    return RolloutContext(
-        task=task,
-        group_size=group_size,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=4,
-        seed=0,
-        sample_fn=sample_fn,
-        reward_limiter=anyio.CapacityLimiter(limit),
-        reward_timeout=timeout,
-    )
+    limiter = anyio.CapacityLimiter(limit)
+    return context(task, sample_fn, group_size=group_size, reward_limiter=limiter, reward_timeout=timeout)
 
 
 def test_async_reward_calls_of_a_group_are_awaited_at_once():

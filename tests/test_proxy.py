@@ -9,6 +9,7 @@ import anyio
 import httpx
 import openai
 import pytest
+from contexts import Scripted, context, threaded
 
 from producers.components import load_task
 from producers.producer import Producer
@@ -16,51 +17,18 @@ from producers.proxy import Endpoint, proxied, server
 from schemas import MetricsEvent, TrajectoryGroup, decode
 from streamer import demo
 from streamer.config import RunConfig, replace
-from streamer.rollout.contract import Completion, RolloutContext
+from streamer.rollout.contract import RolloutContext
 
 ROW = {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}
-
-
-class Scripted:
-    """A sampler that answers every prompt with the same text (+ the stop token)."""
-
-    def __init__(self, renderer, text: str = "5"):
-        self.renderer = renderer
-        self.ids = [*renderer.tokenizer.encode(text, add_special_tokens=False), renderer.stop_ids[0]]
-        self.prompts: list[list[int]] = []
-
-    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=None):
-        self.prompts.append(list(prompt_ids))
-        ids = self.ids[:max_new_tokens]
-        finish = "stop" if ids[-1] == self.ids[-1] else "length"
-        return [Completion(list(ids), [-0.5] * len(ids), finish) for _ in range(n)]
-
-    def load_weights(self, directory) -> None:
-        raise AssertionError("no weights in these tests")
-
-    def close(self) -> None:
-        pass
 
 
 def _task():
     return load_task(demo.config(), dataset="demo", rows=[ROW])
 
 
-def _ctx(task, sampler, *, group_size: int = 1, max_seq_len: int = 0, version: int = 3) -> RolloutContext:
-    async def sample_fn(prompt_ids, **kwargs):
-        out = await anyio.to_thread.run_sync(lambda: sampler.sample(prompt_ids, **kwargs))
-        return [Completion(c.token_ids, c.logprobs, c.finish_reason, version) for c in out]
-
-    return RolloutContext(
-        task=task,
-        group_size=group_size,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=4,
-        seed=1,
-        sample_fn=sample_fn,
-        max_seq_len=max_seq_len,
-    )
+def _ctx(task, sampler, **over) -> RolloutContext:
+    """``sampler`` as a producer calls it, its completions stamped with version 3."""
+    return context(task, threaded(sampler, version=3), **over)
 
 
 def _client(endpoint: Endpoint) -> openai.AsyncOpenAI:

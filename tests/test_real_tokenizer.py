@@ -12,7 +12,7 @@ import pytest
 from producers.render import Renderer
 from producers.rollout import to_sample
 from producers.samplers import LocalSampler
-from streamer import models
+from streamer import demo, models
 from streamer.config import ModelSection
 from streamer.rollout.contract import Completion
 from streamer.rollout.trajectory import PrefixMismatch, Trajectory
@@ -47,7 +47,7 @@ CORPUS = [
 def model_dir(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
     from tokenizers import models as tok_models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
     tok = Tokenizer(tok_models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -60,18 +60,10 @@ def model_dir(tmp_path_factory):
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
     )
     fast.chat_template = TEMPLATE
-    config = Qwen2Config(
-        vocab_size=len(fast),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=True,
-    )
+    # a one-layer model of the demo's shape, over this tokenizer's vocabulary and special tokens
+    config = demo.model_config(hidden=32, layers=1, heads=2, intermediate=64)
+    config.update({"vocab_size": len(fast), "max_position_embeddings": 256, "num_key_value_heads": 1})
+    config.update({"eos_token_id": fast.eos_token_id, "pad_token_id": fast.pad_token_id})
     directory = tmp_path_factory.mktemp("qwen2-bpe")
     Qwen2ForCausalLM(config).save_pretrained(directory)
     fast.save_pretrained(directory)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import msgspec
 import pytest
 import torch
@@ -11,29 +14,15 @@ from consumers.batch import collate
 from consumers.learner import Learner
 from producers.fake_server import FakeCompletionsServer, from_sampler
 from producers.remote_sampler import RemoteSampler
-from producers.samplers import Completion, LocalSampler
+from producers.samplers import LocalSampler
 from schemas import Sample, TrajectoryGroup
 from streamer import demo
 from streamer.config import ConfigError, TrainerSection, parse_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from common import sampled_group
+
 T = 0.7
-
-
-def _group(prompt: list[int], completions: list[Completion]) -> TrajectoryGroup:
-    samples = [
-        Sample.build(
-            prompt_ids=prompt,
-            completion_ids=c.token_ids,
-            logprobs=c.logprobs,
-            reward=float(i % 2),
-            finish_reason=c.finish_reason,
-            version=0,
-        )
-        for i, c in enumerate(completions)
-    ]
-    return TrajectoryGroup(
-        group_id="g", row=0, epoch=0, producer_id="p", samples=samples, policy_version=0, created_at=0.0
-    )
 
 
 def _on_policy_weights(model, groups, temperature: float) -> torch.Tensor:
@@ -46,7 +35,9 @@ def _on_policy_weights(model, groups, temperature: float) -> torch.Tensor:
 
 def _sample(sampler, prompts, *, temperature=T, top_p=1.0):
     return [
-        _group(p, sampler.sample(p, n=8, temperature=temperature, top_p=top_p, max_new_tokens=4, seed=i))
+        sampled_group(
+            i, p, sampler.sample(p, n=8, temperature=temperature, top_p=top_p, max_new_tokens=4, seed=i)
+        )
         for i, p in enumerate(prompts)
     ]
 

@@ -8,43 +8,9 @@ import math
 import msgspec
 import numpy as np
 import pytest
+from samples import group, sample
 
-from schemas import (
-    DeadLetter,
-    DecodeError,
-    MetricsEvent,
-    Sample,
-    TrajectoryGroup,
-    WeightSync,
-    decode,
-    encode,
-)
-
-
-def sample(**over) -> Sample:
-    base = dict(
-        prompt_ids=[5, 6, 7],
-        completion_ids=[8, 9],
-        logprobs=[-0.1, -2.5],
-        reward=1.0,
-        finish_reason="stop",
-        version=2,
-    )
-    return Sample.build(**{**base, **over})
-
-
-def group(samples=None, **over) -> TrajectoryGroup:
-    samples = samples or [sample(), sample(reward=0.0)]
-    base = dict(
-        group_id="0:1",
-        row=1,
-        epoch=0,
-        producer_id="p",
-        samples=samples,
-        policy_version=min(s.version for s in samples),
-        created_at=1.0,
-    )
-    return TrajectoryGroup(**{**base, **over})
+from schemas import DeadLetter, DecodeError, MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 
 
 def mutate(event, path: list, value) -> bytes:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from contexts import context
 
 from producers.components import load_task
 from producers.rollout import to_sample
@@ -32,15 +33,7 @@ def _ctx(name: str, replies: list[str], group_size: int = 1) -> RolloutContext:
         ids = tok.encode(next(script), add_special_tokens=False) + [tok.eos_token_id]
         return [Completion(ids, [-0.5] * len(ids), "stop", version=len(prompt))]
 
-    return RolloutContext(
-        task=task,
-        group_size=group_size,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=2,
-        seed=0,
-        sample_fn=sample,
-    )
+    return context(task, sample, group_size=group_size, max_new_tokens=2, seed=0)
 
 
 def test_the_tool_result_is_in_the_context_with_weight_0():

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from bounds import START
-from trainer_data import make_group, policy_versions, publish, start_trainer, write_config
+from trainer_data import make_group, policy_versions, publish, start_trainer, trainer_config
 from waits import Watch, wait_until
 
 from consumers import checkpoint, trainer
@@ -191,19 +191,8 @@ def test_train_process_lock_step_with_a_publisher(private_valkey, tmp_path):
     client = connect(private_valkey.url)
     keys = Keys("e2e")
     steps, per_step = 3, 2
-    config = write_config(
-        tmp_path / "run.toml",
-        {
-            "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
-            "trainer": {
-                "groups_per_step": per_step,
-                "steps": steps,
-                "max_staleness": 0,
-                "lr": 1e-3,
-                "checkpoint_every": 2,
-                "keep_versions": 2,
-            },
-        },
+    config = trainer_config(
+        tmp_path, keys.run, trainer={"groups_per_step": per_step, "steps": steps, "max_staleness": 0}
     )
     weights_dir = tmp_path / "data" / keys.run / "weights"
     log = tmp_path / "trainer.log"
@@ -254,13 +243,8 @@ def test_sigterm_checkpoints_what_was_trained_and_exits_0(private_valkey, tmp_pa
     rng = random.Random(4)
     groups = [make_group(rng) for _ in range(4)]
     publish(client, keys.traj, groups)
-    config = write_config(
-        tmp_path / "run.toml",
-        {
-            "run": {"name": keys.run, "data_dir": str(tmp_path / "data")},
-            "trainer": {"groups_per_step": 2, "steps": 0, "checkpoint_every": 100, "max_staleness": 10},
-        },
-    )
+    trainer = {"groups_per_step": 2, "steps": 0, "checkpoint_every": 100, "max_staleness": 10}
+    config = trainer_config(tmp_path, keys.run, trainer=trainer)
     log = tmp_path / "trainer.log"
     proc = start_trainer(config, private_valkey.url, log)
     try:

@@ -8,6 +8,7 @@ import math
 import msgspec
 import numpy as np
 import pytest
+from samples import group
 
 from producers.render import Renderer
 from producers.rollout import EpisodeRejected, to_sample
@@ -112,19 +113,6 @@ def test_malformed_episodes_are_rejected_with_a_reason(episode, reason, words):
 # ---------------------------------------------------------------- the wire
 
 
-def _group(samples, **kw):
-    return TrajectoryGroup(
-        group_id="0:1",
-        row=1,
-        epoch=0,
-        producer_id="p",
-        samples=samples,
-        policy_version=min(s.version for s in samples),
-        created_at=1.0,
-        **kw,
-    )
-
-
 def test_per_turn_versions_survive_the_wire_and_the_group_takes_the_oldest():
     s = Sample.build(
         prompt_ids=[1, 2],
@@ -139,7 +127,7 @@ def test_per_turn_versions_survive_the_wire_and_the_group_takes_the_oldest():
     single = Sample.build(
         prompt_ids=[1], completion_ids=[3], logprobs=[-1], reward=0.0, finish_reason="stop", version=4
     )
-    g = decode(encode(_group([s, single])), TrajectoryGroup)
+    g = decode(encode(group([s, single])), TrajectoryGroup)
     assert g.policy_version == 3 and g.samples[0].token_versions().tolist() == [3, 3, -1, 4]
     assert g.samples[1].token_versions().tolist() == [4] and g.samples[1].spans is None
 
@@ -172,7 +160,7 @@ def test_a_schema_1_event_still_decodes_and_an_unknown_version_is_named():
     s = Sample.build(
         prompt_ids=[1], completion_ids=[3, 4], logprobs=[-1, -1], reward=1.0, finish_reason="stop", version=2
     )
-    as_dict = msgspec.msgpack.decode(encode(_group([s])))  # what a schema-1 producer wrote:
+    as_dict = msgspec.msgpack.decode(encode(group([s])))  # what a schema-1 producer wrote:
     as_dict["schema"] = 1  # the same fields, no spans (nor episode)
     for sample in as_dict["samples"]:
         sample.pop("spans", None)

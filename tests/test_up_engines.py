@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from bounds import RUN, START
 from needs import need
-from test_up import Scraper, _up
+from runs import Up
 
 from streamer import tensorfile, vllm_server, weights
 
@@ -38,15 +38,9 @@ def test_up_trains_in_half_precision_with_producers_on_the_new_versions(tmp_path
     steps = 12
     config = tmp_path / "run.toml"
     config.write_text(f'[model]\ndtype = "{dtype}"\n[trainer]\ncheckpoint_every = 5\n')
-    proc = _up(tmp_path / "data", "--config", str(config), "--steps", str(steps))
-    scraper = Scraper(proc)
-    try:
-        code = proc.wait(timeout=RUN)
-    finally:
-        scraper.stop.set()
-        proc.kill()
-    scraper.reader.join(5)
-    out = scraper.output()
+    with Up(tmp_path / "data", "--config", str(config), "--steps", str(steps)) as up:
+        code = up.proc.wait(timeout=RUN)
+    out = up.output()
     assert code == 0 and f"steps trained      {steps}" in out, out
     run = tmp_path / "data" / "demo"
     head, _ = tensorfile.header(weights.version_dir(run / "weights", steps) / weights.WEIGHTS_FILE)
@@ -61,26 +55,20 @@ def test_up_trains_in_half_precision_with_producers_on_the_new_versions(tmp_path
 def test_up_engine_vllm_feeds_every_version_to_the_server_and_stops_it(tmp_path):
     need(vllm_server.python() is not None, "no vLLM virtualenv (python3 dev.py vllm)")
     data = tmp_path / "data"
-    proc = _up(data, "--engine", "vllm", "--steps", "1000")
-    scraper = Scraper(proc)
     model_dir = (data / "demo" / "engine-model").resolve()
-    try:
+    with Up(data, "--engine", "vllm", "--steps", "1000") as up:
         deadline = time.monotonic() + START + RUN
         while (
-            not (versions := [int(v) for v in re.findall(r"version\s+(\d+)", scraper.output())])
+            not (versions := [int(v) for v in re.findall(r"version\s+(\d+)", up.output())])
             or max(versions) < 8
         ):
-            assert proc.poll() is None, scraper.output()
-            assert time.monotonic() < deadline, f"no version 8 in time:\n{scraper.output()[-3000:]}"
+            assert up.proc.poll() is None, up.output()
+            assert time.monotonic() < deadline, f"no version 8 in time:\n{up.output()[-3000:]}"
             time.sleep(1.0)
         assert _engine_processes(model_dir), "the engine is not running"
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
-        code = proc.wait(timeout=START)
-    finally:
-        scraper.stop.set()
-        proc.kill()
-    scraper.reader.join(5)
-    out = scraper.output()
+        up.proc.send_signal(signal.SIGINT)  # Ctrl-C
+        code = up.proc.wait(timeout=START)
+    out = up.output()
     assert code == 130, out
     assert "stopping (producers, evaluator, engine, trainer," in out, out
     assert not _engine_processes(model_dir), "an engine process outlived up"

@@ -9,6 +9,9 @@ under CI, which builds it.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from needs import need
@@ -19,11 +22,14 @@ from consumers.learner import Learner
 from producers import engines
 from producers.follow import WeightFollower
 from producers.remote_sampler import RemoteSampler
-from schemas import Sample, TrajectoryGroup, WeightSync
+from schemas import TrajectoryGroup, WeightSync
 from streamer import demo, lora, vllm_server, weights
 from streamer.bus import entry
-from streamer.config import LoraSection, TrainerSection
+from streamer.config import LoraSection, TrainerSection, replace
 from streamer.server import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from common import sampled_group
 
 pytestmark = pytest.mark.slow
 
@@ -110,31 +116,12 @@ def test_vllm_mismatch_kl_on_fresh_data_is_zero(vllm):
     just sampled with the weights the trainer holds: ~0 (a different numerics path only)."""
     sampler = _sampler(vllm)
     try:
-        groups = []
-        for i, prompt in enumerate(PROMPTS):
-            cs = sampler.sample(prompt, n=4, temperature=1.0, top_p=1.0, max_new_tokens=3)
-            samples = [
-                Sample.build(
-                    prompt_ids=prompt,
-                    completion_ids=c.token_ids,
-                    logprobs=c.logprobs,
-                    reward=float(j % 2),
-                    finish_reason=c.finish_reason,
-                    version=0,
-                )
-                for j, c in enumerate(cs)
-            ]
-            groups.append(
-                TrajectoryGroup(
-                    group_id=f"g{i}",
-                    row=i,
-                    epoch=0,
-                    producer_id="p",
-                    samples=samples,
-                    policy_version=0,
-                    created_at=0.0,
-                )
+        groups = [
+            sampled_group(
+                i, prompt, sampler.sample(prompt, n=4, temperature=1.0, top_p=1.0, max_new_tokens=3)
             )
+            for i, prompt in enumerate(PROMPTS)
+        ]
         learner = Learner(_model(0), TrainerSection(lr=1e-6))
         values = learner.train_step(collate(groups))
         assert abs(values["mismatch_kl"]) < 1e-6, values["mismatch_kl"]
@@ -154,6 +141,24 @@ def test_vllm_probe_says_ready_and_the_model_name_it_refuses(vllm):
         sampler.close()
 
 
+def _served(cfg, vllm, keys, redis_url, tmp_path, producer=None, **sections):
+    """``cfg`` for a run of the test's own whose producers sample from the module's vLLM
+    server; ``producer`` adds to that section, ``sections`` replace others' keys."""
+    return replace(
+        cfg,
+        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
+        model={"name_or_path": str(vllm.model_dir)},
+        producer={
+            "sampler": "remote",
+            "engine": "vllm",
+            "remote_url": vllm.url,
+            "remote_model": str(vllm.model_dir),
+            **(producer or {}),
+        },
+        **sections,
+    )
+
+
 def _restore(vllm, tmp_path) -> None:
     """Put the start-up weights back for the tests after this one."""
     sampler = _sampler(vllm)
@@ -171,22 +176,10 @@ def test_vllm_shared_by_two_producers_reloads_once_per_version(vllm, client, key
     from producers.producer import Producer
     from schemas import decode
     from streamer.bus import FIELD
-    from streamer.config import RunConfig, replace
+    from streamer.config import RunConfig
 
-    cfg = replace(
-        RunConfig(),
-        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
-        model={"name_or_path": str(vllm.model_dir)},
-        producer={
-            "sampler": "remote",
-            "engine": "vllm",
-            "remote_url": vllm.url,
-            "remote_model": str(vllm.model_dir),
-            "group_size": 2,
-            "max_new_tokens": 2,
-        },
-        trainer={"groups_per_step": 1000},
-    )
+    producer = {"group_size": 2, "max_new_tokens": 2}
+    cfg = _served(RunConfig(), vllm, keys, redis_url, tmp_path, producer, trainer={"groups_per_step": 1000})
     producers = []
     for pid in ("a", "b"):
         task, sampler = build(cfg)
@@ -220,20 +213,8 @@ def test_vllm_evaluator_samples_through_the_engine_and_scores_what_a_local_model
     from producers.samplers import LocalSampler
     from schemas import MetricsEvent, decode
     from streamer import models
-    from streamer.config import replace
 
-    cfg = replace(
-        demo.config(),
-        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
-        model={"name_or_path": str(vllm.model_dir)},
-        producer={
-            "sampler": "remote",
-            "engine": "vllm",
-            "remote_url": vllm.url,
-            "remote_model": str(vllm.model_dir),
-        },
-        eval={"eval_every": 1, "max_new_tokens": 2},
-    )
+    cfg = _served(demo.config(), vllm, keys, redis_url, tmp_path, eval={"eval_every": 1, "max_new_tokens": 2})
     tokenizer = models.load_tokenizer(cfg.model)
     sampler, stops = eval_sampler(cfg, tokenizer)
     renderer = Renderer(tokenizer, chat_template=cfg.model.chat_template, extra_stop_ids=stops)

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from samples import group
 
 from schemas import Sample, TrajectoryGroup
 from streamer import demo
@@ -80,15 +81,8 @@ def make_group(
         make_sample(rng, version=version, reward=r, finish=f, model=model, prompt=prompt)
         for r, f in zip(rewards, finishes)
     ]
-    return TrajectoryGroup(
-        group_id=group_id or uuid.UUID(int=rng.getrandbits(128)).hex,
-        row=row,
-        epoch=0,
-        producer_id="test",
-        samples=samples,
-        policy_version=min(s.version for s in samples),
-        created_at=0.0,
-    )
+    group_id = group_id or uuid.UUID(int=rng.getrandbits(128)).hex
+    return group(samples, group_id=group_id, row=row, producer_id="test", created_at=0.0)
 
 
 def publish(client, stream: str, groups) -> list[str]:
@@ -106,6 +100,16 @@ REPO = Path(__file__).resolve().parent.parent
 def write_config(path: Path, sections: dict[str, dict]) -> Path:
     """A TOML run config from {section: {key: value}}."""
     return write_toml(path, sections)
+
+
+def trainer_config(tmp_path: Path, run: str, **sections: dict) -> Path:
+    """``tmp_path/run.toml`` for run ``run`` with its data in ``tmp_path/data``: a trainer at
+    lr 1e-3 that checkpoints every 2 steps and keeps 2 versions, then ``sections``' keys."""
+    tree = {"run": {"name": run, "data_dir": str(tmp_path / "data")}}
+    tree["trainer"] = {"lr": 1e-3, "checkpoint_every": 2, "keep_versions": 2}
+    for name, fields in sections.items():
+        tree[name] = {**tree.get(name, {}), **fields}
+    return write_config(tmp_path / "run.toml", tree)
 
 
 def start_trainer(config: Path, url: str, log: Path) -> subprocess.Popen:

@@ -16,43 +16,14 @@ import time
 import anyio
 import httpx
 import pytest
+from contexts import Scripted, context, threaded
 
 from producers.components import load_task
 from producers.proxy import MAX_PROMPT_TOKENS, ProxyServer
 from streamer import demo
-from streamer.rollout.contract import Completion, RolloutContext
 
 ROW = {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}
 GOOD = json.dumps({"model": "m", "messages": ROW["messages"]}).encode()
-
-
-class Counting:
-    """A sampler answering "5" + the stop token, counting its calls."""
-
-    def __init__(self, renderer):
-        self.ids = [*renderer.tokenizer.encode("5", add_special_tokens=False), renderer.stop_ids[0]]
-        self.calls = 0
-
-    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=None):
-        self.calls += 1
-        return [Completion(list(self.ids), [-0.5] * len(self.ids), "stop") for _ in range(n)]
-
-
-def _ctx(sampler, task, max_seq_len: int = 0) -> RolloutContext:
-    async def sample_fn(prompt_ids, **kwargs):
-        out = await anyio.to_thread.run_sync(lambda: sampler.sample(prompt_ids, **kwargs))
-        return [Completion(c.token_ids, c.logprobs, c.finish_reason, 0) for c in out]
-
-    return RolloutContext(
-        task=task,
-        group_size=1,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=4,
-        seed=1,
-        sample_fn=sample_fn,
-        max_seq_len=max_seq_len,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +49,10 @@ def proxies():
 def _in_session(proxy: ProxyServer, task, fn, *, sampler=None, max_seq_len: int = 0):
     """``fn(port, key)`` run in a thread while an episode's session is open (its engine calls
     run on this event loop, as in a producer)."""
-    sampler = sampler or Counting(task.renderer)
+    sampler = sampler or Scripted(task.renderer)
 
     async def main():
-        with proxy.session(_ctx(sampler, task, max_seq_len)) as s:
+        with proxy.session(context(task, threaded(sampler), max_seq_len=max_seq_len)) as s:
             return await anyio.to_thread.run_sync(fn, proxy.httpd.server_address[1], s.endpoint.api_key)
 
     return anyio.run(main)
@@ -235,7 +206,7 @@ def test_connections_served_at_once_are_bounded_and_the_next_are_refused_at_once
 
 def test_a_prompt_over_the_token_limit_is_refused_before_it_is_sampled(task, proxies):
     proxy = proxies()
-    sampler = Counting(task.renderer)
+    sampler = Scripted(task.renderer)
     huge = json.dumps({"messages": [{"role": "user", "content": "1+1=" * (MAX_PROMPT_TOKENS // 4 + 10)}]})
 
     def call(port, key):
@@ -245,7 +216,7 @@ def test_a_prompt_over_the_token_limit_is_refused_before_it_is_sampled(task, pro
 
     code, reply = _in_session(proxy, task, call, sampler=sampler)  # trainer.max_seq_len = 0
     assert code == 400 and f"no room under {MAX_PROMPT_TOKENS} tokens".encode() in reply, reply
-    assert sampler.calls == 0
+    assert not sampler.prompts
 
 
 def _wait(done, what: str, timeout: float = 10.0) -> None:
@@ -257,7 +228,7 @@ def _wait(done, what: str, timeout: float = 10.0) -> None:
 
 def test_a_megabyte_prompt_is_refused_before_it_is_rendered(task, proxies):
     proxy = proxies()
-    sampler = Counting(task.renderer)
+    sampler = Scripted(task.renderer)
     huge = json.dumps({"messages": [{"role": "user", "content": "1+1=" * 250_000}]})  # 1 MB
 
     def call(port, key):
@@ -268,14 +239,14 @@ def test_a_megabyte_prompt_is_refused_before_it_is_rendered(task, proxies):
 
     code, reply, seconds = _in_session(proxy, task, call, sampler=sampler)
     assert code == 400 and b"1000000 characters: too many for 32768 tokens" in reply, reply
-    assert seconds < 2 and sampler.calls == 0, f"{seconds:.1f}s"
+    assert seconds < 2 and not sampler.prompts, f"{seconds:.1f}s"
 
 
 def test_a_hostile_engine_answer_to_an_agent_is_a_502_and_drops_the_rollout_with_its_reason(task, caplog):
     from producers.proxy import proxied
     from streamer.errors import EpisodeRejected
 
-    class Hostile(Counting):
+    class Hostile(Scripted):
         def sample(self, *args, **kwargs):
             raise EpisodeRejected(
                 "bad_token", "the engine sent token id 9223372036854775808, not an int32 id"
@@ -295,7 +266,7 @@ def test_a_hostile_engine_answer_to_an_agent_is_a_502_and_drops_the_rollout_with
         return 1.0
 
     with pytest.raises(BaseExceptionGroup) as group:
-        anyio.run(agent, ROW, _ctx(Hostile(task.renderer), task))
+        anyio.run(agent, ROW, context(task, threaded(Hostile(task.renderer))))
     (error,) = group.value.exceptions
     assert seen == [502] and isinstance(error, EpisodeRejected) and error.reason == "bad_token"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "no traceback logged"
