@@ -37,11 +37,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from consumers import checkpoint
 from consumers.batch import Batch
+from streamer import lora, weights
+from streamer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +159,8 @@ class DataParallel:
         self._header(_STOP, 0, 0)
 
     def send_checkpoint(self) -> None:
-        """Rank 0, sharded: gather the optimizer state for a checkpoint (every rank takes part)."""
+        """Rank 0: a checkpoint is being written; every rank calls ``learner.optimizer_state()``
+        (sharded, a collective gather)."""
         self._header(_CHECKPOINT, 0, 0)
 
     def receive(self) -> tuple[str, Batch | str | None]:
@@ -202,10 +207,130 @@ class DataParallel:
             dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------- FSDP2 (trainer.fsdp)
+# ---------------------------------------------------------------- the learner's layout
 
 
-def shard_model(model, *, param_dtype: torch.dtype | None = None) -> None:
+def strategy(dp: DataParallel | None) -> Plain:
+    """How the learner's weights are laid out over ``dp``'s ranks: :class:`Sharded` under
+    ``trainer.fsdp``, :class:`Plain` otherwise (one device, or replicated)."""
+    return Sharded(dp) if dp is not None and dp.sharded else Plain(dp)
+
+
+class Plain:
+    """The whole model on every rank: one device (``dp`` None), or replicated data parallelism,
+    each rank training its rows with gradients and metrics summed over ranks."""
+
+    def __init__(self, dp: DataParallel | None = None):
+        self.dp = dp
+        self.model = None
+
+    def place(self, model, ref_model, dtype: torch.dtype) -> None:
+        """Take the policy (and the frozen reference model, or None) in ``dtype`` compute."""
+        self.model = model
+
+    def rows(self, batch: Batch) -> Batch:
+        """This rank's rows of a minibatch (all of them on one device)."""
+        return self.dp.shard(batch) if self.dp else batch
+
+    def passes(self, micros: list, whole: Batch, micro_batches: Callable[[Batch], list]) -> Iterator:
+        """The micro-batches this rank runs on its rows of the minibatch ``whole``."""
+        yield from micros
+
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """The sum over ranks is the single-device gradient."""
+        if self.dp:
+            self.dp.sum_grads(params)
+
+    def sum_metrics(self, values: dict[str, float], *, maxima: tuple[str, ...] = ()) -> dict[str, float]:
+        return self.dp.sum_metrics(values, maxima=maxima) if self.dp else values
+
+    def gather(self) -> None:
+        """After a step or a restore: the weights to publish are the model's own."""
+
+    @property
+    def publishable(self):
+        """What a version and a checkpoint save: the model, or only its LoRA adapter."""
+        return lora.AdapterView(self.model) if lora.is_peft(self.model) else self.model
+
+    def optimizer_state(self, optimizer, params: list) -> dict:
+        return optimizer.state_dict()
+
+    def restore(self, path, meta, optimizer, params: list) -> None:
+        """Load a checkpoint's weights, optimizer and RNG state."""
+        checkpoint.restore(path, meta, model=self.model, optimizer=optimizer)
+
+
+class Sharded(Plain):
+    """FSDP2 (``trainer.fsdp``): ``fully_shard`` on every decoder layer and the root, so each
+    rank holds 1/N of the weights, gradients and AdamW state. Every forward is a collective:
+    every rank runs as many passes as the busiest one. Rank 0 holds the full weights gathered
+    after each step (:attr:`full`) for the version writer; checkpoints gather the full state.
+    Every method but :attr:`publishable` is called on every rank at the same point."""
+
+    def __init__(self, dp: DataParallel):
+        super().__init__(dp)
+        self.full: dict[str, torch.Tensor] = {}  # rank 0: the full weights after the last step
+
+    def place(self, model, ref_model, dtype: torch.dtype) -> None:
+        if dtype == torch.float16:
+            raise ConfigError("trainer.fsdp: train in bfloat16 or float32 (no fp16 loss scaling under FSDP)")
+        gathered = None if dtype == torch.float32 else dtype  # layers gathered in the compute dtype
+        for m in (model, ref_model):
+            if m is not None:
+                _shard(m, param_dtype=gathered)
+        self.model = model
+
+    def passes(self, micros: list, whole: Batch, micro_batches: Callable[[Batch], list]) -> Iterator:
+        """Then None (a pass without rows) up to the busiest rank's count; gradients are
+        reduce-scattered once, in the last pass."""
+        shares = (whole.rows(torch.arange(r, whole.size, self.dp.world)) for r in range(self.dp.world))
+        n = max(len(micro_batches(share)) if share.size else 0 for share in shares)
+        for i in range(n):
+            self.model.set_requires_gradient_sync(i == n - 1)
+            yield micros[i] if i < len(micros) else None
+
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """FSDP reduce-scattered the sums already."""
+
+    def gather(self) -> None:
+        tied = weights.tied_keys(self.model)
+        self.full = {k: v for k, v in _full_state(self.model).items() if k not in tied}
+
+    @property
+    def publishable(self):
+        """Rank 0's full weights: already a fresh CPU copy, which the version writer takes as is."""
+        return weights.WeightsCopy(self.model, state=self.full)
+
+    def optimizer_state(self, optimizer, params: list) -> dict:
+        """The full AdamW state on rank 0 ({} elsewhere), keyed like ``optimizer.state_dict()``
+        of one process (parameter indices), so checkpoints do not depend on the world size."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        sd = get_optimizer_state_dict(self.model, optimizer, options=_options(cpu_offload=True))
+        if not sd:
+            return {}
+        index = {name: i for i, name in enumerate(_param_names(self.model, params))}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in sd["param_groups"]]
+        return {"state": {index[n]: v for n, v in sd["state"].items()}, "param_groups": groups}
+
+    def restore(self, path, meta, optimizer, params: list) -> None:
+        """Every rank takes its shards of the full (single-process) weights and optimizer state."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        full, optimizer_state = checkpoint.read(path, meta, model=self.model)
+        set_model_state_dict(self.model, full, options=_options(strict=False))  # tied copies: checked by read
+        if optimizer_state:
+            names = _param_names(self.model, params)
+            sd = {
+                "state": {names[int(i)]: v for i, v in optimizer_state["state"].items()},
+                "param_groups": [
+                    {**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]
+                ],
+            }
+            set_optimizer_state_dict(self.model, optimizer, sd, options=_options())
+
+
+def _shard(model, *, param_dtype: torch.dtype | None = None) -> None:
     """``fully_shard`` every decoder layer (the classes HF lists in ``_no_split_modules``),
     then the root; gradients reduce as sums (the learner's denominators are the minibatch's)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -228,40 +353,11 @@ def _options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def full_state(model) -> dict[str, torch.Tensor]:
+def _full_state(model) -> dict[str, torch.Tensor]:
     """The full weights on rank 0's CPU ({} on the others); every rank must call it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model, options=_options(cpu_offload=True))
-
-
-def full_optimizer_state(model, optimizer, params: list) -> dict:
-    """The full AdamW state on rank 0 ({} elsewhere), keyed like ``optimizer.state_dict()``
-    of one process (parameter indices), so checkpoints do not depend on the world size."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    sd = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
-    if not sd:
-        return {}
-    index = {name: i for i, name in enumerate(_param_names(model, params))}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in sd["param_groups"]]
-    return {"state": {index[n]: v for n, v in sd["state"].items()}, "param_groups": groups}
-
-
-def load_full(model, optimizer, params: list, weights: dict, optimizer_state: dict | None) -> None:
-    """Every rank: take its shards of full (single-process) weights and optimizer state."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    set_model_state_dict(model, weights, options=_options(strict=False))  # tied copies: checked by the caller
-    if optimizer_state:
-        names = _param_names(model, params)
-        sd = {
-            "state": {names[int(i)]: v for i, v in optimizer_state["state"].items()},
-            "param_groups": [
-                {**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]
-            ],
-        }
-        set_optimizer_state_dict(model, optimizer, sd, options=_options())
 
 
 def _param_names(model, params: list) -> list[str]:

@@ -18,7 +18,8 @@ Under torchrun (consumers/distributed.py) every rank runs this same step on its 
 each minibatch; denominators are the whole minibatch's and gradients and metrics are
 summed over ranks, so the result equals the single-device step. With ``trainer.fsdp`` the
 weights, gradients and AdamW state are sharded (FSDP2) and every rank runs the same number
-of passes (a rank short of rows runs a zero-loss one: each forward is a collective).
+of passes (a rank short of rows runs a zero-loss one: each forward is a collective). Which
+of the two layouts is one object chosen at construction (:func:`distributed.strategy`).
 """
 
 from __future__ import annotations
@@ -28,13 +29,11 @@ import time
 
 import torch
 
-from consumers import checkpoint, distributed, losses, precision, schedule
+from consumers import distributed, losses, precision, schedule
 from consumers import loss as L
 from consumers.batch import Batch, Packed, pack
 from consumers.distributed import DataParallel
-from streamer import lora, weights
 from streamer.config import TrainerSection
-from streamer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,6 @@ class Learner:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.model, self.cfg, self.ref_model, self.step = model, cfg, ref_model, step
-        self.dp = dp  # data-parallel collectives under torchrun; None on one device
         self.temperature = temperature if temperature > 0 else 1.0
         self.phases = dict.fromkeys(PHASES, 0.0)  # seconds per phase of the current trainer step
         self.device = next(model.parameters()).device
@@ -76,17 +74,8 @@ class Learner:
             model.config.use_cache = False
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
-        self.sharded = bool(dp and dp.sharded)
-        self.full: dict[str, torch.Tensor] = {}  # sharded: the full weights after the last step (rank 0)
-        if self.sharded:
-            if dtype == torch.float16:
-                raise ConfigError(
-                    "trainer.fsdp: train in bfloat16 or float32 (no fp16 loss scaling under FSDP)"
-                )
-            gathered = None if dtype == torch.float32 else dtype  # layers gathered in the compute dtype
-            for m in (model, ref_model):
-                if m is not None:
-                    distributed.shard_model(m, param_dtype=gathered)
+        self.strategy = distributed.strategy(dp)  # one device, replicated or sharded (FSDP2)
+        self.strategy.place(model, ref_model, dtype)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.loss_params = losses.params_of(cfg.loss, cfg)
         self.packing = cfg.micro_batch_tokens > 0 and self.packs(model)
@@ -99,30 +88,20 @@ class Learner:
     def publishable(self):
         """What a version and a checkpoint save: the model, only its LoRA adapter, or (sharded,
         rank 0) the full weights gathered after the last step."""
-        if self.sharded:  # already a fresh CPU copy: the version writer takes it as it is
-            return weights.WeightsCopy(self.model, state=self.full)
-        return lora.AdapterView(self.model) if lora.is_peft(self.model) else self.model
+        return self.strategy.publishable
 
     def gather(self) -> None:
         """Sharded: gather the full weights onto rank 0 (every rank calls it at the same point)."""
-        if self.sharded:
-            tied = weights.tied_keys(self.model)
-            self.full = {k: v for k, v in distributed.full_state(self.model).items() if k not in tied}
+        self.strategy.gather()
 
     def optimizer_state(self) -> dict:
         """The optimizer's state dict as one process has it (sharded: a collective gather,
         every rank calls it; {} except on rank 0)."""
-        if not self.sharded:
-            return self.optimizer.state_dict()
-        return distributed.full_optimizer_state(self.model, self.optimizer, self.params)
+        return self.strategy.optimizer_state(self.optimizer, self.params)
 
     def restore(self, path, meta) -> None:
         """Load a checkpoint's weights, optimizer and RNG state (every rank, when sharded)."""
-        if not self.sharded:
-            checkpoint.restore(path, meta, model=self.model, optimizer=self.optimizer)
-        else:
-            full, optimizer_state = checkpoint.read(path, meta, model=self.model)
-            distributed.load_full(self.model, self.optimizer, self.params, full, optimizer_state)
+        self.strategy.restore(path, meta, self.optimizer, self.params)
         self.step = meta.step
 
     def lr_at(self, step: int) -> float:
@@ -183,13 +162,8 @@ class Learner:
             ent_sum = float((L.token_entropy(logits[trained], self.temperature) * weights[trained]).sum())
         return (logp if p is None else p.unpack(logp)), ent_sum
 
-    def _passes(self, whole: Batch) -> int:
-        """Sharded: the micro-batch passes every rank runs on its share of ``whole``."""
-        shares = (whole.rows(torch.arange(r, whole.size, self.dp.world)) for r in range(self.dp.world))
-        return max(len(self.micro_batches(share)) if share.size else 0 for share in shares)
-
     def _idle(self, whole: Batch, *, backward: bool) -> None:
-        """Sharded: a pass with no rows of this rank's (one row of ``whole``, zero loss), so
+        """A pass with no rows of this rank's (one row of ``whole``, zero loss), so
         that its collectives match the other ranks'."""
         row = whole.rows(slice(0, 1))
         for model in (self.model,) if backward else (self.model, self.ref_model):
@@ -203,18 +177,17 @@ class Learner:
         """Fill ``prox_logp`` (and ``ref_logp``); returns the batch and its summed weighted entropy.
 
         ``whole``: the minibatch ``batch`` is this rank's share of (sharded ranks pad passes)."""
+        whole = batch if whole is None else whole
         micros = self.micro_batches(batch) if batch.size else []
-        if self.sharded and whole is not None:
-            for _ in range(self._passes(whole) - len(micros)):
-                self._idle(whole, backward=False)
-        if batch.size == 0:  # a data-parallel rank's share of a small minibatch
-            return batch, 0.0
         training = self.model.training
         self.model.eval()  # no adapter dropout in the proximal policy
         prox = torch.zeros_like(batch.weights)  # (B, T-1); micro-batches may take rows in any order
         ref = torch.zeros_like(batch.weights) if self.ref_model is not None else None
         ent_sum = 0.0
-        for rows in micros:
+        for rows in self.strategy.passes(micros, whole, self.micro_batches):
+            if rows is None:  # a data-parallel rank short of rows
+                self._idle(whole, backward=False)
+                continue
             mb = batch.rows(rows)
             t0 = self._clock()
             logp, ent = self.token_logprobs(self.model, mb, entropy=True)
@@ -226,6 +199,8 @@ class Learner:
                 ref[rows] = _pad(self.token_logprobs(self.ref_model, mb)[0], ref.shape[1])
                 self.phases["reference_forward_seconds"] += self._clock() - t1
         self.model.train(training)
+        if batch.size == 0:  # a data-parallel rank's share of a small minibatch
+            return batch, 0.0
         return batch.replace(prox_logp=prox, ref_logp=ref), ent_sum
 
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -237,12 +212,10 @@ class Learner:
         # every proximal log-prob before the first update; a rank prepares only its own rows
         mine, entropy = [], 0.0
         for mb in minibatches:
-            prepared, ent = self.prepare(self.dp.shard(mb), mb) if self.dp else self.prepare(mb)
+            prepared, ent = self.prepare(self.strategy.rows(mb), mb)
             mine.append(prepared)
             entropy += ent
-        if self.dp:
-            entropy = self.dp.sum_metrics({"e": entropy})["e"]
-        entropy /= max(float(batch.weights.sum()), 1e-8)
+        entropy = self.strategy.sum_metrics({"e": entropy})["e"] / max(float(batch.weights.sum()), 1e-8)
         totals: dict[str, float] = {}
         for i, (mb, local) in enumerate(zip(minibatches, mine)):
             lr = self.lr_at(self.step * self.cfg.ppo_minibatches + i)  # counted in optimizer steps
@@ -277,14 +250,10 @@ class Learner:
         out = {"loss": 0.0, "is_weight_max": 0.0}
         t0 = self._clock()
         micros = [mb.rows(rows) for rows in self.micro_batches(mb)] if mb.size else []
-        passes = self._passes(whole) if self.sharded else len(micros)
-        for i in range(passes):
-            if self.sharded:  # reduce-scatter once, after the last pass
-                self.model.set_requires_gradient_sync(i == passes - 1)
-            if i >= len(micros):
+        for micro in self.strategy.passes(micros, whole, self.micro_batches):
+            if micro is None:  # a data-parallel rank short of rows
                 self._idle(whole, backward=True)
                 continue
-            micro = micros[i]
             logp = self.token_logprobs(self.model, micro)[0]
             loss, stats = L.policy_loss(
                 cfg.loss,
@@ -307,10 +276,8 @@ class Learner:
                     out[k] = max(out[k], float(v))
                 else:  # aggregated terms sum over micro-batches; token means weigh by share
                     out[k] = out.get(k, 0.0) + float(v) * (1.0 if k in _SUMMED else share)
-        if self.dp:  # the sum over ranks is the single-device gradient (and metrics)
-            if not self.sharded:  # (FSDP reduce-scattered the sums already)
-                self.dp.sum_grads(self.params)
-            out = self.dp.sum_metrics(out, maxima=("is_weight_max",))
+        self.strategy.sum_grads(self.params)  # over ranks: the single-device gradient (and metrics)
+        out = self.strategy.sum_metrics(out, maxima=("is_weight_max",))
         t1 = self._clock()
         out["grad_norm"], skipped = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
         out["optimizer_steps_skipped"] = float(skipped)

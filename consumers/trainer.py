@@ -337,7 +337,7 @@ class Trainer:
         self.versions.drain()  # its version is published before a checkpoint names it
         covered = self.feed.covered()
         data = position.read(self.client, self.keys, give_up_after=self.give_up_after)
-        if self.dp and self.dp.sharded:  # the optimizer state is gathered by every rank
+        if self.dp:  # every rank takes part in gathering the optimizer state (sharded)
             self.dp.send_checkpoint()
         meta = checkpoint.save(
             self.cfg.checkpoint_dir,

@@ -48,7 +48,7 @@ def run(
     torch.manual_seed(0)
     learner = Learner(demo.build_model(seed=0), cfg, dp=dp)
     metrics = [learner.train_step(b) for b in batches()]
-    full = learner.full if learner.sharded else learner.model.state_dict()  # sharded: gathered on rank 0
+    full = learner.publishable.state_dict()  # sharded: the full weights gathered on rank 0
     state = {k: v.detach().clone().contiguous() for k, v in full.items()}
     return metrics, state
 
