@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import common as C  # noqa: E402
 import torch  # noqa: E402
 
-from consumers import loss as L  # noqa: E402
+from consumers import losses  # noqa: E402
 from consumers import trainer as T  # noqa: E402
 from consumers.learner import BETAS, Learner  # noqa: E402
 from schemas import MetricsEvent, Sample, TrajectoryGroup  # noqa: E402
@@ -110,25 +110,16 @@ class BareLoop:
 
     def _logp(self, mb):
         logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-        return L.token_logprobs(logits, mb.targets)
+        return losses.token_logprobs(logits, mb.targets)
 
     def step(self, batch) -> None:
         tc = self.trainer_cfg
+        objective = losses.Objective.of(tc)
         with torch.no_grad():
             batch = batch.replace(prox_logp=self._logp(batch))
         for mb in batch.split(tc.ppo_minibatches):
             self.opt.zero_grad(set_to_none=True)
-            loss, _ = L.ppo_loss(
-                logp=self._logp(mb),
-                prox_logp=mb.prox_logp,
-                sampler_logp=mb.sampler_logp,
-                advantages=mb.advantages,
-                weights=mb.weights,
-                eps_low=tc.eps_low,
-                eps_high=tc.eps_high,
-                tis_cap=tc.tis_cap,
-                agg=tc.aggregation,
-            )
+            loss, _ = objective(self._logp(mb), mb)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
             self.opt.step()

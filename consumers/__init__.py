@@ -3,7 +3,7 @@
 Nothing here imports ``producers/``: the evaluator samples the policy like a producer
 does (task, sampler, weight follower) and lives there.
 
-The trainer is split so its core never sees Redis: ``loss`` (the objective, pure tensor
+The trainer is split so its core never sees Redis: ``losses`` (the objective, pure tensor
 functions), ``batch`` (groups -> padded tensors), ``filters`` (which groups to train),
 ``learner`` (the training step) and ``checkpoint`` (atomic, pickle-free state) know
 nothing of streams; ``feed`` (the background reader), ``versions`` (the weight writer and

@@ -16,11 +16,24 @@ from collections.abc import Callable
 import torch
 
 from consumers.filters import load_predicate
-from consumers.loss import group_advantages
 from streamer.config import TrainerSection
 from streamer.errors import ConfigError
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def group_advantages(
+    rewards: torch.Tensor, *, std_normalize: bool = True, std_floor: float = 1e-4
+) -> torch.Tensor:
+    """(G,) rewards of one group -> (G,) advantages: reward - mean, over max(std, floor).
+
+    The std is the population std (a group of one has advantage 0, not NaN).
+    """
+    rewards = rewards.double()  # float32 sums of large rewards overflow to inf (NaN advantages)
+    centered = rewards - rewards.mean()
+    if not std_normalize:
+        return centered.float()
+    return (centered / rewards.std(unbiased=False).clamp_min(std_floor)).float()
 
 
 def dr_grpo(rewards: torch.Tensor) -> torch.Tensor:

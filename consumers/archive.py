@@ -80,7 +80,7 @@ def advantage_of(cfg: TrainerSection) -> Advantage:
 
 def grpo_advantages(rewards: np.ndarray, *, std_normalize: bool, std_floor: float) -> np.ndarray:
     """(G,) float32 group advantages as the trainer's GRPO z-score computes them
-    (:func:`consumers.loss.group_advantages`), in numpy."""
+    (:func:`consumers.advantages.group_advantages`), in numpy."""
     r = rewards.astype(np.float64)  # float32 sums of large rewards overflow to inf
     centered = r - r.mean()
     if std_normalize:

@@ -25,7 +25,6 @@ import torch
 
 from consumers import advantages
 from consumers.advantages import AdvantageFn
-from consumers.loss import group_advantages
 from schemas import TrajectoryGroup
 from streamer.config import TrainerSection
 
@@ -169,7 +168,7 @@ def advantages_of(
     if advantage is not None:
         adv = advantages.compute(advantage, rewards).numpy()
     else:
-        adv = group_advantages(rewards, std_normalize=std_normalize, std_floor=std_floor).numpy()
+        adv = advantages.group_advantages(rewards, std_normalize=std_normalize, std_floor=std_floor).numpy()
     return adv[group.episode_index()] if forked else adv
 
 

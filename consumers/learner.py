@@ -1,7 +1,7 @@
 """The trainer step: model + optimizer + one batch -> updated weights and step metrics.
 
 No Redis, no files: the trainer process hands it :class:`~consumers.batch.Batch` objects.
-One trainer step (see consumers/loss.py for the objective) is ``ppo_minibatches``
+One trainer step (see consumers/losses/ for the objective) is ``ppo_minibatches``
 optimizer steps:
 
 1. recompute the proximal log-probs of the whole batch once, without grad (and the frozen
@@ -30,7 +30,6 @@ import time
 import torch
 
 from consumers import distributed, losses, precision, schedule
-from consumers import loss as L
 from consumers.batch import Batch, Packed, pack
 from consumers.distributed import DataParallel
 from streamer.config import TrainerSection
@@ -77,7 +76,7 @@ class Learner:
         self.strategy = distributed.strategy(dp)  # one device, replicated or sharded (FSDP2)
         self.strategy.place(model, ref_model, dtype)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.loss_params = losses.params_of(cfg.loss, cfg)
+        self.objective = losses.Objective.of(cfg)
         self.packing = cfg.micro_batch_tokens > 0 and self.packs(model)
         if cfg.micro_batch_tokens > 0:
             how = "packed without padding" if self.packing else "bucketed by length, padded (no packing)"
@@ -155,11 +154,13 @@ class Learner:
             with self.precision.autocast():
                 out = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False)
             logits, targets, weights = out.logits[:, :-1], p.targets, p.pack(mb.weights)  # (1, L-1, ...)
-        logp = L.token_logprobs(logits, targets, self.temperature)
+        logp = losses.token_logprobs(logits, targets, self.temperature)
         ent_sum = 0.0
         if entropy:
             trained = weights > 0
-            ent_sum = float((L.token_entropy(logits[trained], self.temperature) * weights[trained]).sum())
+            ent_sum = float(
+                (losses.token_entropy(logits[trained], self.temperature) * weights[trained]).sum()
+            )
         return (logp if p is None else p.unpack(logp)), ent_sum
 
     def _idle(self, whole: Batch, *, backward: bool) -> None:
@@ -245,7 +246,7 @@ class Learner:
         """
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
-        denom = L.normalizer(whole.weights, cfg.aggregation)
+        denom = self.objective.normalizer(whole.weights)
         n_tok = max(float((whole.weights > 0).sum()), 1.0)
         out = {"loss": 0.0, "is_weight_max": 0.0}
         t0 = self._clock()
@@ -254,20 +255,7 @@ class Learner:
             if micro is None:  # a data-parallel rank short of rows
                 self._idle(whole, backward=True)
                 continue
-            logp = self.token_logprobs(self.model, micro)[0]
-            loss, stats = L.policy_loss(
-                cfg.loss,
-                params=self.loss_params,
-                logp=logp,
-                prox_logp=micro.prox_logp,
-                sampler_logp=micro.sampler_logp,
-                advantages=micro.advantages,
-                weights=micro.weights,
-                kl_coef=cfg.kl_coef,
-                ref_logp=micro.ref_logp,
-                agg=cfg.aggregation,
-                denom=denom,
-            )
+            loss, stats = self.objective(self.token_logprobs(self.model, micro)[0], micro, denom=denom)
             self.precision.backward(loss)
             share = float((micro.weights > 0).sum()) / n_tok  # token share of this micro-batch
             out["loss"] += loss.item()

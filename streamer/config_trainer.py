@@ -35,7 +35,7 @@ Precision = Literal["auto", "float32", "bfloat16", "float16"]
 LossAgg = Literal["auto", "token-mean", "seq-mean"]
 
 # loss -> the trainer keys it reads (dotted: its own section); the config reference prints it.
-# `trainer.loss` may also be "module:function", a loss of one's own (consumers/losses.py)
+# `trainer.loss` may also be "module:function", a loss of one's own (consumers/losses/terms.py)
 LOSS_KEYS = {
     "grpo": ("tis_cap", "eps_low", "eps_high"),
     "dapo": ("tis_cap", "dapo.eps_low", "dapo.eps_high", "dapo.eps_clip_c"),

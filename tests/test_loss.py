@@ -8,9 +8,10 @@ import random
 
 import pytest
 import torch
-from trainer_data import make_group
+from trainer_data import loss_on, make_group
 
-from consumers import loss as L
+from consumers import losses
+from consumers.advantages import group_advantages
 from consumers.batch import collate
 from consumers.learner import Learner
 from streamer import demo
@@ -23,28 +24,17 @@ def _close(t: torch.Tensor, expected) -> None:
     torch.testing.assert_close(t, torch.tensor(expected, dtype=t.dtype), rtol=1e-5, atol=1e-6)
 
 
-def _loss(logp, *, adv, prox=None, sampler=None, weights=None, **kw):
-    prox = torch.zeros_like(logp) if prox is None else prox
-    sampler = prox.clone() if sampler is None else sampler
-    weights = torch.ones_like(logp) if weights is None else weights
-    args = {**EPS, **kw}
-    return L.ppo_loss(
-        logp=logp,
-        prox_logp=prox,
-        sampler_logp=sampler,
-        advantages=torch.tensor(adv, dtype=torch.float32),
-        weights=weights,
-        **args,
-    )
+def _loss(logp, **kw):
+    return loss_on("grpo", logp, **{**EPS, **kw})
 
 
 def test_advantages_by_hand():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    assert L.group_advantages(r).tolist() == pytest.approx([1, -1, -1, 1], abs=1e-4)
-    assert L.group_advantages(r, std_normalize=False).tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
-    assert L.group_advantages(torch.tensor([2.0, 2.0])).tolist() == [0.0, 0.0]
+    assert group_advantages(r).tolist() == pytest.approx([1, -1, -1, 1], abs=1e-4)
+    assert group_advantages(r, std_normalize=False).tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    assert group_advantages(torch.tensor([2.0, 2.0])).tolist() == [0.0, 0.0]
     # std 0.01 floored to 0.1: (0.02 - 0.01) / 0.1
-    assert L.group_advantages(torch.tensor([0.0, 0.02]), std_floor=0.1).tolist() == pytest.approx([-0.1, 0.1])
+    assert group_advantages(torch.tensor([0.0, 0.02]), std_floor=0.1).tolist() == pytest.approx([-0.1, 0.1])
 
 
 def test_clipping_positive_advantage():
@@ -117,7 +107,7 @@ def test_aggregation_modes():
     assert seq.item() == pytest.approx((-2 + 1) / 2)
     # micro-batches with the minibatch's denominator sum to the whole
     for agg in ("token-mean", "seq-mean"):
-        denom = L.normalizer(weights, agg)
+        denom = losses.normalizer(weights, agg)
         parts = [
             _loss(logp[i : i + 1], adv=[a], weights=weights[i : i + 1], agg=agg, denom=denom)[0]
             for i, a in enumerate([2.0, -1.0])
@@ -167,7 +157,7 @@ def test_one_minibatch_step_is_plain_grpo():
     metrics = learner.train_step(batch)
 
     logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    logp = L.token_logprobs(logits, batch.targets)
+    logp = losses.token_logprobs(logits, batch.targets)
     grpo = -(batch.advantages[:, None] * logp * batch.weights).sum() / batch.weights.sum()
     grpo.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
@@ -186,19 +176,13 @@ def test_steps_on_a_fixed_batch_lower_the_loss(agg):
     cfg = TrainerSection(lr=3e-3, ppo_minibatches=2, loss_agg=agg, eps_low=0.2, eps_high=0.2)
     learner = Learner(model, cfg)
 
+    objective = losses.Objective.of(cfg)
+
     def surrogate():  # the PPO loss of the current weights against the batch's sampler policy
         with torch.no_grad():
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-            logp = L.token_logprobs(logits, batch.targets)
-            loss, _ = L.ppo_loss(
-                logp=logp,
-                prox_logp=batch.sampler_logp,
-                sampler_logp=batch.sampler_logp,
-                advantages=batch.advantages,
-                weights=batch.weights,
-                agg=agg,
-                **EPS,
-            )
+            logp = losses.token_logprobs(logits, batch.targets)
+            loss, _ = objective(logp, batch.replace(prox_logp=batch.sampler_logp))
         return loss.item()
 
     before = surrogate()

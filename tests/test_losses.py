@@ -8,32 +8,15 @@ import random
 
 import pytest
 import torch
-from trainer_data import make_group
+from trainer_data import loss_on, make_group
 
 from consumers import advantages as A
-from consumers import loss as L
 from consumers import losses
 from consumers.batch import collate, collator
 from consumers.learner import Learner
 from streamer import demo
 from streamer.config import ConfigError, TrainerSection, parse_config
 from streamer.config_trainer import LOSS_KEYS
-
-
-def _run(name, logp, *, adv, prox=None, sampler=None, weights=None, agg="token-mean", **params):
-    prox = torch.zeros_like(logp) if prox is None else prox
-    sampler = prox.clone() if sampler is None else sampler
-    weights = torch.ones_like(logp) if weights is None else weights
-    return L.policy_loss(
-        name,
-        params=params,
-        logp=logp,
-        prox_logp=prox,
-        sampler_logp=sampler,
-        advantages=torch.tensor(adv, dtype=torch.float32),
-        weights=weights,
-        agg=agg,
-    )
 
 
 def _grad(loss, logp) -> list:
@@ -47,7 +30,7 @@ def _approx(expected):
 
 def test_dapo_dual_clip_bounds_negative_advantages():
     logp = torch.tensor([[0.5, 1.0, 4.0]]).log().requires_grad_()
-    loss, stats = _run("dapo", logp, adv=[-1.0], tis_cap=5.0, eps_low=0.2, eps_high=0.28, eps_clip_c=3.0)
+    loss, stats = loss_on("dapo", logp, adv=[-1.0], tis_cap=5.0, eps_low=0.2, eps_high=0.28, eps_clip_c=3.0)
     # A < 0: max(r, clip(r)) per token = [0.8 (low clip), 1.0, 4.0 -> dual clip c = 3]
     assert loss.item() == _approx((0.8 + 1.0 + 3.0) / 3)
     assert _grad(loss, logp) == [_approx([0.0, 1 / 3, 0.0])]  # plain GRPO would give 4/3 on the last
@@ -57,7 +40,7 @@ def test_dapo_dual_clip_bounds_negative_advantages():
 
 def test_dapo_clip_higher_is_asymmetric():
     logp = torch.tensor([[0.5, 1.0, 1.3]]).log().requires_grad_()
-    loss, stats = _run("dapo", logp, adv=[1.0], tis_cap=5.0, eps_low=0.2, eps_high=0.28, eps_clip_c=3.0)
+    loss, stats = loss_on("dapo", logp, adv=[1.0], tis_cap=5.0, eps_low=0.2, eps_high=0.28, eps_clip_c=3.0)
     assert loss.item() == _approx(-(0.5 + 1.0 + 1.28) / 3)  # 1.3 clipped at 1.28, 0.5 not at 0.8
     assert _grad(loss, logp) == [_approx([-0.5 / 3, -1 / 3, 0.0])]
     assert float(stats["clip_high_fraction"]) == _approx(1 / 3) and float(stats["clip_low_fraction"]) == 0
@@ -67,7 +50,7 @@ def test_dapo_clip_higher_is_asymmetric():
 def test_gspo_uses_one_ratio_per_sequence(agg):
     logp = torch.tensor([[1.2, 0.8], [2.0, 1.0]]).log().requires_grad_()
     weights = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    loss, stats = _run(
+    loss, stats = loss_on(
         "gspo", logp, adv=[1.0, 1.0], weights=weights, agg=agg, tis_cap=5.0, eps_low=0.5, eps_high=0.5
     )
     s = math.sqrt(1.2 * 0.8)  # geometric mean of the token ratios of sequence 0
@@ -85,7 +68,7 @@ def test_gspo_uses_one_ratio_per_sequence(agg):
 def test_cispo_clips_the_weight_not_the_gradient():
     r = torch.tensor([[0.5, 1.0, 6.0]])
     logp = r.log().requires_grad_()
-    loss, stats = _run("cispo", logp, adv=[2.0], tis_cap=5.0, eps_low=1.0, eps_high=4.0)
+    loss, stats = loss_on("cispo", logp, adv=[2.0], tis_cap=5.0, eps_low=1.0, eps_high=4.0)
     clipped = [0.5, 1.0, 5.0]  # the weight is capped at 1 + 4; every token keeps a gradient
     value = -sum(c * 2.0 * math.log(x) for c, x in zip(clipped, r[0].tolist())) / 3
     assert loss.item() == _approx(value)
@@ -97,7 +80,7 @@ def test_reinforce_weights_by_the_truncated_importance_weight():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     prox = logp.detach().clone()
     sampler = prox - torch.tensor([[0.0, math.log(2.0)]])  # w = [1, 2]
-    loss, _ = _run("reinforce", logp, adv=[1.5], prox=prox, sampler=sampler, tis_cap=5.0)
+    loss, _ = loss_on("reinforce", logp, adv=[1.5], prox=prox, sampler=sampler, tis_cap=5.0)
     assert loss.item() == _approx((1.5 * 1.0 + 2 * 1.5 * 2.0) / 2)  # -w A logp
     assert _grad(loss, logp) == [_approx([-1.5 / 2, -3.0 / 2])]
 
@@ -105,7 +88,7 @@ def test_reinforce_weights_by_the_truncated_importance_weight():
 def test_importance_sampling_against_the_sampler():
     logp = torch.tensor([[0.0, math.log(2.0)]], requires_grad=True)
     sampler = torch.tensor([[math.log(2.0), 0.0]])  # ratios to the sampler: 0.5 and 2
-    loss, _ = _run("importance_sampling", logp, adv=[1.0], prox=logp.detach(), sampler=sampler)
+    loss, _ = loss_on("importance_sampling", logp, adv=[1.0], prox=logp.detach(), sampler=sampler)
     assert loss.item() == _approx(-(0.5 + 2.0) / 2)
     assert _grad(loss, logp) == [_approx([-0.25, -1.0])]
 
@@ -113,7 +96,7 @@ def test_importance_sampling_against_the_sampler():
 def test_dro_penalises_the_distance_to_the_sampler():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     sampler = torch.tensor([[-1.5, -2.0]])  # the first token moved by +0.5 since it was sampled
-    loss, stats = _run("dro", logp, adv=[2.0], prox=logp.detach(), sampler=sampler, beta=0.5)
+    loss, stats = loss_on("dro", logp, adv=[2.0], prox=logp.detach(), sampler=sampler, beta=0.5)
     # pg = -(A logp - beta/2 (logp - sampler)^2), token-mean over 2 tokens
     assert loss.item() == _approx((-(2.0 * -1.0 - 0.25 * 0.25) - 2.0 * -2.0) / 2)
     assert _grad(loss, logp) == [_approx([(-2.0 + 0.5 * 0.5) / 2, -2.0 / 2])]
@@ -127,7 +110,7 @@ def halved_reinforce(*, logp, prox_logp, sampler_logp, advantages, weights):
 
 def test_a_loss_of_ones_own_by_import_path():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss, stats = _run("test_losses:halved_reinforce", logp, adv=[2.0], prox=logp.detach())
+    loss, stats = loss_on("test_losses:halved_reinforce", logp, adv=[2.0], prox=logp.detach())
     assert loss.item() == _approx(-0.5 * 2.0 * (-3.0) / 2)
     assert _grad(loss, logp) == [_approx([-0.5, -0.5])]
     assert float(stats["ratio_mean"]) == _approx(1.0)
@@ -142,7 +125,7 @@ def test_a_loss_of_ones_own_by_import_path():
 def test_loss_of_ones_own_with_a_wrong_shape_is_a_clear_error():
     logp = torch.zeros(1, 2, requires_grad=True)
     with pytest.raises(ValueError, match=r"returned \(1,\); expected Terms or a \(1, 2\) tensor"):
-        _run("test_losses:summed_loss", logp, adv=[1.0])
+        loss_on("test_losses:summed_loss", logp, adv=[1.0])
 
 
 def summed_loss(*, logp, prox_logp, sampler_logp, advantages, weights):
@@ -176,7 +159,7 @@ def test_every_loss_is_plain_grpo_on_policy(name):
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
     weights = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     params = losses.params_of(name, TrainerSection())
-    loss, stats = _run(name, logp, adv=[1.5, -0.5], prox=logp.detach(), weights=weights, **params)
+    loss, stats = loss_on(name, logp, adv=[1.5, -0.5], prox=logp.detach(), weights=weights, **params)
     assert _grad(loss, logp) == [_approx([-0.5, -0.5]), _approx([0.5 / 3, 0.0])]
     assert float(stats["ppo_kl"]) == 0.0 and float(stats["mismatch_kl"]) == 0.0
     assert float(stats["ratio_mean"]) == _approx(1.0)
@@ -186,7 +169,7 @@ def test_mismatch_and_ppo_kl_are_k3():
     logp = torch.zeros(1, 2)
     prox = torch.tensor([[math.log(2.0), 0.0]])
     sampler = torch.zeros(1, 2)
-    _, stats = _run(
+    _, stats = loss_on(
         "grpo", logp, adv=[1.0], prox=prox, sampler=sampler, tis_cap=5.0, eps_low=0.2, eps_high=0.2
     )
     k3 = (2 - math.log(2) - 1) / 2  # one token with log ratio ln 2, one with 0

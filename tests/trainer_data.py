@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from samples import group
 
+from consumers import losses
+from consumers.batch import Batch
 from schemas import Sample, TrajectoryGroup
 from streamer import demo
 from streamer.bus import entry, entry_event
@@ -83,6 +85,25 @@ def make_group(
     ]
     group_id = group_id or uuid.UUID(int=rng.getrandbits(128)).hex
     return group(samples, group_id=group_id, row=row, producer_id="test", created_at=0.0)
+
+
+def loss_on(name: str, logp, *, adv, prox=None, sampler=None, weights=None, ref_logp=None, **kw):
+    """Loss ``name`` of (B, T) tensors made by hand: proximal log-probs 0 and the sampler's
+    equal to them unless given, every token trained; ``kw`` are policy_loss's keywords
+    (``agg``, ``kl_coef``, ``denom``) and the loss's parameters."""
+    prox = torch.zeros_like(logp) if prox is None else prox
+    ids = torch.zeros(logp.shape[0], logp.shape[1] + 1, dtype=torch.int64)  # targets: unused here
+    mb = Batch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        weights=torch.ones_like(logp) if weights is None else weights,
+        sampler_logp=prox.clone() if sampler is None else sampler,
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        prox_logp=prox,
+        ref_logp=ref_logp,
+    )
+    keywords = {k: kw.pop(k) for k in ("agg", "kl_coef", "denom") if k in kw}
+    return losses.policy_loss(name, logp, mb, params=kw, **keywords)
 
 
 def publish(client, stream: str, groups) -> list[str]:

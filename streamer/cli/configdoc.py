@@ -77,7 +77,7 @@ def _loss_table() -> list[str]:
         lines.append(f"| `{name}` | {', '.join(f'`trainer.{k}`' for k in keys) or 'none'} |")
     lines += [
         '| `"module:function"` | none: a loss of one\'s own, called like the built-ins '
-        "(signature in consumers/losses.py) |",
+        "(signature in consumers/losses/terms.py) |",
         "",
         '`loss_agg = "auto"` is `seq-mean` for '
         + ", ".join(f"`{n}`" for n in config_trainer.SEQ_MEAN_LOSSES)

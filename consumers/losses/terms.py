@@ -1,7 +1,7 @@
 """The loss family behind ``trainer.loss``: per-token policy-gradient terms, pure tensor functions.
 
 Every loss maps the same inputs to a (B, T) per-token term ``pg`` that
-:func:`consumers.loss.policy_loss` then weights, aggregates (``trainer.loss_agg``) and adds
+:func:`consumers.losses.policy_loss` then weights, aggregates (``trainer.loss_agg``) and adds
 the KL term to. Shared notation, per trained token t of sample i with advantage A_i:
 
     r_t = exp(logp_t - prox_t)                       current vs proximal policy (ratio)
