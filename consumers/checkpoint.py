@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from streamer import weights
-from streamer.disk import atomic_dir
+from streamer.disk import atomic_dir, numbered, remove_unfinished
 from streamer.errors import CheckpointError
 from streamer.position import DataPosition
 from streamer.weights import sha256_file
@@ -43,6 +44,15 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 STATE = "state.json"
 _NAME = re.compile(r"^step-(\d{8,})-v(\d{8,})$")
+
+
+@dataclass(frozen=True)
+class Covered:
+    """What a checkpoint taken now covers: the entries trained since the last one."""
+
+    high_water: str  # the newest entry id trained into the model
+    entry_ids: list[str]
+    group_ids: list[str]
 
 
 class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,9 +83,7 @@ def save(
     step: int,
     version: int,
     parent: str | None,
-    high_water: str,
-    group_ids: list[str],
-    entry_ids: list[str],
+    covered: Covered,
     data: DataPosition | None = None,
 ) -> CheckpointMeta:
     """Write a checkpoint atomically; returns its metadata once it is durable on disk."""
@@ -92,9 +100,9 @@ def save(
             step=step,
             version=version,
             parent=parent,
-            high_water=high_water,
-            group_ids=list(group_ids),
-            entry_ids=list(entry_ids),
+            high_water=covered.high_water,
+            group_ids=list(covered.group_ids),
+            entry_ids=list(covered.entry_ids),
             files=files,
             optimizer=layout,
             python_rng=_jsonable(random.getstate()),
@@ -130,11 +138,7 @@ def verify(path: Path) -> CheckpointMeta:
 
 def candidates(root: Path) -> list[Path]:
     """Checkpoint directories under ``root``, newest (highest version) first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(2)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found, reverse=True)]
+    return [p for _, p in reversed(numbered(root, _NAME))]
 
 
 def latest(root: Path) -> tuple[Path, CheckpointMeta] | None:
@@ -184,9 +188,7 @@ def _restore_rng(path: Path, meta: CheckpointMeta) -> None:
 
 def prune(root: Path, keep: int) -> list[str]:
     """Reduce all but the newest ``keep`` checkpoints to their state.json; drop temp dirs."""
-    root = Path(root)
-    for tmp in root.glob(".tmp-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+    remove_unfinished(root)
     pruned = []
     for path in candidates(root)[keep:]:
         extra = [p for p in path.iterdir() if p.name != STATE]

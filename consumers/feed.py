@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import redis
 
 from consumers.batch import Batch
+from consumers.checkpoint import Covered
 from consumers.filters import GroupFilter
 from schemas import TrajectoryGroup
 from streamer.admission import Admission
@@ -70,15 +71,6 @@ class Ready:
     groups: list[TrajectoryGroup]
     entry_ids: list[str]
     waited: float = 0.0  # seconds the step loop waited for it
-
-
-@dataclass(frozen=True)
-class Covered:
-    """What a checkpoint taken now covers: the entries trained since the last one."""
-
-    high_water: str  # the newest entry id trained into the model
-    entry_ids: list[str]
-    group_ids: list[str]
 
 
 class Feeder:

@@ -346,9 +346,7 @@ class Trainer:
             step=self.step,
             version=self.version,
             parent=self.parent,
-            high_water=covered.high_water,
-            group_ids=covered.group_ids,
-            entry_ids=covered.entry_ids,
+            covered=covered,
             data=data,
         )
         self.parent, self.checkpointed_version = meta.name, meta.version

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -56,6 +57,22 @@ def atomic_dir(root: Path, name: str, *, what: str, durable: bool = True):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def numbered(root: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
+    """(number, path) of each directory under ``root`` whose name ``pattern`` matches, the
+    number being its last group; ascending ([] without ``root``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = ((m, p) for p in root.iterdir() if p.is_dir() and (m := pattern.match(p.name)))
+    return sorted((int(m.group(m.lastindex)), p) for m, p in found)
+
+
+def remove_unfinished(root: Path) -> None:
+    """Remove what :func:`atomic_dir` left under ``root`` when its process died mid-write."""
+    for tmp in Path(root).glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fsync(path: Path) -> None:

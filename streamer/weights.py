@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 import shutil
 import socket
 import urllib.parse
@@ -23,10 +24,11 @@ from pathlib import Path
 
 from schemas import WeightSync
 from streamer import tensorfile
-from streamer.disk import atomic_dir, fsync, writing  # noqa: F401 (importable from here too)
+from streamer.disk import atomic_dir, fsync, numbered, remove_unfinished, writing  # noqa: F401 (importable from here too)
 from streamer.errors import WeightsError
 
 _PREFIX = "v"
+_NAME = re.compile(rf"^{_PREFIX}(\d+)$")  # a version directory's name
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST = "manifest.json"  # the writer's per-file sha256 and sizes
 MANIFEST_FORMAT = 1
@@ -232,23 +234,14 @@ def check_manifest(path: Path, sha256: str) -> bool:
 
 def versions(root: Path) -> list[int]:
     """Version numbers with a weights directory under ``root``, ascending."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(
-        int(p.name[len(_PREFIX) :])
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit()
-    )
+    return [v for v, _ in numbered(root, _NAME)]
 
 
 def prune(root: Path, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
     """Delete all but the newest ``keep`` versions (and stale temp dirs); returns deleted."""
-    root = Path(root)
-    if not root.exists():
+    if not Path(root).exists():
         return []
-    for tmp in root.glob(".tmp-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+    remove_unfinished(root)
     doomed = [v for v in versions(root)[:-keep] if v not in protect] if keep > 0 else []
     for v in doomed:
         shutil.rmtree(version_dir(root, v), ignore_errors=True)

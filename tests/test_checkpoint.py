@@ -44,9 +44,7 @@ def _save(root, learner, *, step, version, parent=None, groups=("g",)):
         step=step,
         version=version,
         parent=parent,
-        high_water=f"{version}-0",
-        group_ids=list(groups),
-        entry_ids=[f"{version}-0"],
+        covered=checkpoint.Covered(f"{version}-0", [f"{version}-0"], list(groups)),
     )
 
 

@@ -84,9 +84,7 @@ def test_checkpoint_holds_adapter_and_optimizer(tmp_path):
         step=1,
         version=1,
         parent=None,
-        high_water="1-0",
-        group_ids=[],
-        entry_ids=[],
+        covered=checkpoint.Covered("1-0", [], []),
     )
     files = sorted(p.name for p in (tmp_path / meta.name / "model").iterdir())
     assert files == ["adapter_config.json", "adapter_model.safetensors"]
