@@ -7,5 +7,6 @@ The trainer is split so its core never sees Redis: ``losses`` (the objective, pu
 functions), ``batch`` (groups -> padded tensors), ``filters`` (which groups to train),
 ``learner`` (the training step) and ``checkpoint`` (atomic, pickle-free state) know
 nothing of streams; ``feed`` (the background reader), ``versions`` (the weight writer and
-WeightSync publisher) and ``trainer`` (the process) do.
+WeightSync publisher), ``resume`` (what a starting trainer reads back from the server) and
+``trainer`` (the process) do.
 """

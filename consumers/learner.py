@@ -1,6 +1,7 @@
 """The trainer step: model + optimizer + one batch -> updated weights and step metrics.
 
-No Redis, no files: the trainer process hands it :class:`~consumers.batch.Batch` objects.
+No Redis, no files but the models it loads (:meth:`Learner.from_config`): the trainer
+process hands it :class:`~consumers.batch.Batch` objects.
 One trainer step (see consumers/losses/ for the objective) is ``ppo_minibatches``
 optimizer steps:
 
@@ -19,20 +20,22 @@ each minibatch; denominators are the whole minibatch's and gradients and metrics
 summed over ranks, so the result equals the single-device step. With ``trainer.fsdp`` the
 weights, gradients and AdamW state are sharded (FSDP2) and every rank runs the same number
 of passes (a rank short of rows runs a zero-loss one: each forward is a collective). Which
-of the two layouts is one object chosen at construction (:func:`distributed.strategy`).
+of the two layouts is one object chosen at construction (consumers/strategy.py).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 import torch
 
-from consumers import distributed, losses, precision, schedule
+from consumers import losses, precision, schedule, strategy
 from consumers.batch import Batch, Packed, pack
 from consumers.distributed import DataParallel
-from streamer.config import TrainerSection
+from streamer import lora, models
+from streamer.config import RunConfig, TrainerSection
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ class Learner:
             model.config.use_cache = False
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
-        self.strategy = distributed.strategy(dp)  # one device, replicated or sharded (FSDP2)
+        self.strategy = strategy.choose(dp)  # one device, replicated or sharded (FSDP2)
         self.strategy.place(model, ref_model, dtype)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.objective = losses.Objective.of(cfg)
@@ -82,6 +85,24 @@ class Learner:
             how = "packed without padding" if self.packing else "bucketed by length, padded (no packing)"
             log.info("micro-batches of up to %d tokens, %s", cfg.micro_batch_tokens, how)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, dp: DataParallel | None = None) -> Learner:
+        """The policy (and frozen reference) from the model config, seeded by run.seed."""
+        random.seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)
+        dev = dp.device if dp else None  # under torchrun: this rank's device
+        model = models.load_model(cfg.model, seed=cfg.run.seed, dev=dev)
+        if cfg.model.lora.rank > 0:
+            model = lora.apply(model, cfg.model.lora)  # the base frozen: the adapter is trained and published
+        ref = models.load_model(cfg.model, seed=cfg.run.seed, dev=dev) if cfg.trainer.kl_coef > 0 else None
+        if cfg.producer.top_p < 1:
+            log.warning(
+                "producer.top_p = %s: samplers report nucleus-renormalised log-probs, the trainer full-softmax "
+                "ones, so every importance weight is the nucleus mass (< 1); see producers/samplers.py",
+                cfg.producer.top_p,
+            )
+        return cls(model, cfg.trainer, ref_model=ref, temperature=cfg.producer.temperature, dp=dp)
 
     @property
     def publishable(self):

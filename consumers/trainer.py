@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import random
 import sys
 import threading
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
-from consumers import advantages, checkpoint, distributed, losses
+from consumers import advantages, checkpoint, distributed, losses, resume
 from consumers.batch import collator
 from consumers.distributed import DataParallel
 from consumers.feed import Feeder, Ready
@@ -40,18 +38,16 @@ from consumers.filters import GroupFilter, unusable
 from consumers.learner import Learner
 from consumers.lineage import Lineage
 from consumers.versions import VersionPublisher
-from schemas import MetricsEvent, WeightSync
+from schemas import MetricsEvent
 from schemas.metric_names import REJECT_REASONS
-from streamer import lifecycle, lora, models, position, rundir, weights
+from streamer import lifecycle, position, rundir
 from streamer.admission import Admission
-from streamer.bus import Publisher, scan
+from streamer.bus import Publisher
 from streamer.config import RunConfig
 from streamer.connection import connect, retrying
-from streamer.errors import StreamerError
 from streamer.keys import ARCHIVE_GROUP, Keys
-from streamer.tail import Tail
 from streamer.trainer_lease import TrainerLease, record_checkpoint, refuse_a_lost_checkpoint
-from streamer.values import check_types, parse_int
+from streamer.values import check_types
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +119,7 @@ class Trainer:
     def start(self) -> None:
         check_types(self.client, self.keys.types())  # a key of the wrong type: one line, now
         self._restore()
-        self._check_server_state()
+        resume.check_server_state(self.client, self.keys, self.parent)
         if (queued := position.recover(self.client, self.keys, self.data_position)) is not None:
             log.warning(
                 "the server lost the dataset position: restored from %s (cursor %d, %d open rows requeued)",
@@ -131,8 +127,10 @@ class Trainer:
                 self.data_position.cursor,
                 queued,
             )
-        self.version = self._next_version()
-        self.lineage = Lineage().load(self._policy_history())
+        self.version = resume.next_version(
+            self.client, self.keys, checkpointed=self.checkpointed_version, weights_dir=self.cfg.weights_dir
+        )
+        self.lineage = Lineage().load(resume.policy_history(self.client, self.keys))
         self.versions.publish_now(self.learner.publishable, version=self.version, step=self.step)
         self.lineage.add(self.version, self.step)
         self._state("running")
@@ -174,49 +172,6 @@ class Trainer:
             self.data_position = meta.data
             log.info("restored checkpoint %s (step %d, high-water %s)", meta.name, meta.step, meta.high_water)
         self.learner.gather()  # sharded: the weights publish_now writes
-
-    def _next_version(self) -> int:
-        """One past the newest version anywhere: policy stream, version key, the checkpoint,
-        the weights on disk (a server that lost its data must not make numbers repeat)."""
-        newest = Tail(self.client, self.keys.policy, as_type=WeightSync).latest()
-        known = [v.version for v in [newest] if v is not None]
-        if (raw := self.client.get(self.keys.version)) is not None:
-            known.append(parse_int(raw, self.keys.version))
-        if newest is None and self.client.xlen(self.keys.policy):
-            raise StreamerError(f"newest entry of {self.keys.policy} does not decode; cannot pick a version")
-        known += [self.checkpointed_version, *weights.versions(self.cfg.weights_dir)]
-        return max(known) + 1 if max(known, default=-1) >= 0 else 0
-
-    def _policy_history(self) -> list[WeightSync]:
-        syncs = []
-        for entry_id, sync in scan(self.client, self.keys.policy, WeightSync):
-            if sync is None:
-                log.warning("%s %s does not decode; left out of the lineage", self.keys.policy, entry_id)
-            else:
-                syncs.append(sync)
-        return syncs
-
-    def _check_server_state(self) -> None:
-        """A checkpoint without the run's marker key: the server lost this run's data."""
-        marker = self.keys.run_marker
-        if self.client.exists(marker):
-            return
-        now = time.time()
-        # no marker but a policy: a run from before markers existed, not a loss
-        empty = not self.client.exists(self.keys.policy, self.keys.version)
-        if self.parent is not None and empty:
-            log.error(
-                "the server has no state for run %s, but checkpoint %s exists: the server lost its "
-                "data (restarted without persistence, or flushed). The model is safe: training resumes "
-                "from %s under a new version number; the groups in flight were lost with the server "
-                "(the dataset position comes back from the checkpoint). If the server should still "
-                "have them, stop now and restore its data (AOF/RDB) before starting the trainer again.",
-                self.keys.run,
-                self.parent,
-                self.parent,
-            )
-            self.client.hset(marker, mapping={"data_lost_at": now, "resumed_from": self.parent})
-        self.client.hsetnx(marker, "created_at", now)
 
     def _state(self, state: str) -> None:
         """``running`` / ``stopped`` in the run marker, for `streamer status`."""
@@ -364,43 +319,6 @@ class Trainer:
 # ---------------------------------------------------------------- the process
 
 
-def build_learner(cfg: RunConfig, dp: DataParallel | None = None) -> Learner:
-    """The policy (and frozen reference) from the model config, seeded by run.seed."""
-    random.seed(cfg.run.seed)
-    torch.manual_seed(cfg.run.seed)
-    dev = dp.device if dp else None  # under torchrun: this rank's device
-    model = models.load_model(cfg.model, seed=cfg.run.seed, dev=dev)
-    if cfg.model.lora.rank > 0:
-        model = lora.apply(model, cfg.model.lora)  # the base frozen: the adapter is trained and published
-    ref = models.load_model(cfg.model, seed=cfg.run.seed, dev=dev) if cfg.trainer.kl_coef > 0 else None
-    if cfg.producer.top_p < 1:
-        log.warning(
-            "producer.top_p = %s: samplers report nucleus-renormalised log-probs, the trainer full-softmax "
-            "ones, so every importance weight is the nucleus mass (< 1); see producers/samplers.py",
-            cfg.producer.top_p,
-        )
-    return Learner(model, cfg.trainer, ref_model=ref, temperature=cfg.producer.temperature, dp=dp)
-
-
-def follow(cfg: RunConfig, dp: DataParallel) -> int:
-    """A rank > 0 under torchrun: restore what rank 0 restores, then train the batches it
-    broadcasts until it says stop. No Redis, no files written: rank 0 owns both."""
-    learner = build_learner(cfg, dp)
-    while True:
-        kind, payload = dp.receive()
-        if kind == "stop":  # the caller leaves the group (DataParallel.leave)
-            log.info("rank %d: stopped at step %d", dp.rank, learner.step)
-            return 0
-        if kind == "restore":
-            if payload:
-                learner.restore(Path(payload), checkpoint.read_meta(Path(payload)))
-            learner.gather()
-        elif kind == "checkpoint":
-            learner.optimizer_state()  # rank 0 writes what every rank gathers
-        elif kind == "batch":
-            learner.train_step(payload)
-
-
 def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     """`streamer train`: run until trainer.steps (0 = forever) or SIGTERM/SIGINT; 0 when stopped."""
     nproc = getattr(args, "nproc", 1) or 1
@@ -422,7 +340,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
         )
         dp = DataParallel.init(sharded=cfg.trainer.fsdp)  # under torchrun; rank 0 trains, the others follow
         if dp is not None and dp.rank > 0:
-            dp.leave(follow(cfg, dp))  # a follower has nothing left to write
+            dp.leave(distributed.follow(Learner.from_config(cfg, dp), dp))  # a follower writes nothing
         client = connect(url, socket_timeout=cfg.bus.socket_timeout, name="streamer-trainer")
         keys = Keys(cfg.run.name)
         # one trainer per run: a second one would prune the first one's files (one line, exit 1)
@@ -432,7 +350,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
         try:
             retrying(lease.acquire, what="taking the run's trainer lease")
             lease.start_renewing()
-            learner = build_learner(cfg, dp)
+            learner = Learner.from_config(cfg, dp)
             log.info("trainer for run %s on %s", cfg.run.name, learner.device)
             trainer = Trainer(
                 cfg,
