@@ -15,12 +15,10 @@ optimizer steps:
    clip the global grad norm, set the scheduled LR (consumers/schedule.py) and take one
    AdamW update (skipped if the gradient is not finite: consumers/precision.py).
 
-Under torchrun (consumers/distributed.py) every rank runs this same step on its rows of
-each minibatch; denominators are the whole minibatch's and gradients and metrics are
-summed over ranks, so the result equals the single-device step. With ``trainer.fsdp`` the
-weights, gradients and AdamW state are sharded (FSDP2) and every rank runs the same number
-of passes (a rank short of rows runs a zero-loss one: each forward is a collective). Which
-of the two layouts is one object chosen at construction (consumers/strategy.py).
+Under torchrun every rank runs this same step on its rows of each minibatch, with the whole
+minibatch's denominators and gradients and metrics summed over ranks: the single-device step
+(consumers/distributed.py). Whether the weights are whole on each rank or sharded (FSDP2) is
+one strategy object chosen at construction (consumers/strategy.py).
 """
 
 from __future__ import annotations

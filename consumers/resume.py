@@ -1,6 +1,7 @@
-"""What a starting trainer reads back from the server, besides its checkpoint: whether the
-server lost the run's data, the next policy version number (never one used before) and the
-policy history its lineage is rebuilt from."""
+"""What the server keeps of a run for its trainer, and what a starting trainer reads back:
+the run's marker (when it was created, whether the server lost its data, its newest
+checkpoint), the next policy version number (never one used before) and the policy
+history the lineage is rebuilt from."""
 
 from __future__ import annotations
 
@@ -66,3 +67,23 @@ def policy_history(client, keys: Keys) -> list[WeightSync]:
         else:
             syncs.append(sync)
     return syncs
+
+
+def record_checkpoint(client, keys: Keys, name: str) -> None:
+    """Note on the server that the run has checkpoint ``name`` (see :func:`refuse_a_lost_checkpoint`)."""
+    client.hset(keys.run_marker, "checkpoint", name)
+
+
+def refuse_a_lost_checkpoint(client, keys: Keys, checkpoint_dir: Path) -> None:
+    """StreamerError when ``checkpoint_dir`` holds no checkpoint but the server records one:
+    another data dir, or its checkpoints were deleted. Starting from the initial weights
+    would train on as if the run's progress never happened, so only when told to."""
+    recorded = client.hget(keys.run_marker, "checkpoint")
+    if recorded is None:
+        return
+    raise StreamerError(
+        f"run {keys.run} has checkpoint {recorded.decode(errors='replace')} on the server's record, "
+        f"but {checkpoint_dir} holds no checkpoint (another data dir, or its checkpoints were "
+        "deleted): point --data-dir at the run's data, start over with `streamer up --fresh` or a "
+        "new --run name, or pass --from-initial-weights to train this run on from the initial weights"
+    )

@@ -112,8 +112,11 @@ class Sharded(Plain):
         """FSDP reduce-scattered the sums already."""
 
     def gather(self) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=_options(cpu_offload=True))  # {} but on rank 0
         tied = weights.tied_keys(self.model)
-        self.full = {k: v for k, v in _full_state(self.model).items() if k not in tied}
+        self.full = {k: v for k, v in full.items() if k not in tied}
 
     @property
     def publishable(self):
@@ -170,13 +173,6 @@ def _options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, **kw)
-
-
-def _full_state(model) -> dict[str, torch.Tensor]:
-    """The full weights on rank 0's CPU ({} on the others); every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_options(cpu_offload=True))
 
 
 def _param_names(model, params: list) -> list[str]:

@@ -46,7 +46,7 @@ from streamer.bus import Publisher
 from streamer.config import RunConfig
 from streamer.connection import connect, retrying
 from streamer.keys import ARCHIVE_GROUP, Keys
-from streamer.trainer_lease import TrainerLease, record_checkpoint, refuse_a_lost_checkpoint
+from streamer.trainer_lease import TrainerLease
 from streamer.values import check_types
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class Trainer:
     def _restore(self) -> None:
         found = checkpoint.latest(self.cfg.checkpoint_dir)
         if found is None and not self.from_initial_weights:  # another data dir, or deleted
-            refuse_a_lost_checkpoint(self.client, self.keys, self.cfg.checkpoint_dir)
+            resume.refuse_a_lost_checkpoint(self.client, self.keys, self.cfg.checkpoint_dir)
         if self.dp:  # every rank restores the same checkpoint (the data dir is shared)
             self.dp.send_restore("" if found is None else str(found[0]))
         if found is None:
@@ -307,7 +307,7 @@ class Trainer:
         self.parent, self.checkpointed_version = meta.name, meta.version
         self.feed.checkpointed(covered, give_up_after=self.give_up_after)
         retrying(  # a trainer that finds no checkpoint knows whether the run has one
-            lambda: record_checkpoint(self.client, self.keys, meta.name),
+            lambda: resume.record_checkpoint(self.client, self.keys, meta.name),
             what="recording the checkpoint",
             give_up_after=self.give_up_after,
         )

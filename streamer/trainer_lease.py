@@ -169,23 +169,3 @@ class TrainerLease:
                 raise self.fenced()
             n += done
         return n
-
-
-def record_checkpoint(client, keys: Keys, name: str) -> None:
-    """Note on the server that the run has checkpoint ``name`` (see :func:`refuse_a_lost_checkpoint`)."""
-    client.hset(keys.run_marker, "checkpoint", name)
-
-
-def refuse_a_lost_checkpoint(client, keys: Keys, checkpoint_dir: Path) -> None:
-    """StreamerError when ``checkpoint_dir`` holds no checkpoint but the server records one:
-    another data dir, or its checkpoints were deleted. Starting from the initial weights
-    would train on as if the run's progress never happened, so only when told to."""
-    recorded = client.hget(keys.run_marker, "checkpoint")
-    if recorded is None:
-        return
-    raise StreamerError(
-        f"run {keys.run} has checkpoint {recorded.decode(errors='replace')} on the server's record, "
-        f"but {checkpoint_dir} holds no checkpoint (another data dir, or its checkpoints were "
-        "deleted): point --data-dir at the run's data, start over with `streamer up --fresh` or a "
-        "new --run name, or pass --from-initial-weights to train this run on from the initial weights"
-    )

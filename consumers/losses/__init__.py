@@ -34,42 +34,17 @@ The package: ``terms`` (the loss family: per-token terms, and a loss of one's ow
 ``objective`` (aggregation, the KL term, the step's statistics); the names below are its API.
 """
 
-from consumers.losses.objective import (
-    Agg,
-    Objective,
-    aggregate,
-    normalizer,
-    policy_loss,
-    token_entropy,
-    token_logprobs,
-)
-from consumers.losses.terms import (
-    LOG_RATIO_CLAMP,
-    LOSSES,
-    LossFn,
-    Terms,
-    log_ratio,
-    params_of,
-    resolve,
-    terms,
-    tis_weight,
-)
+from consumers.losses.objective import Objective, normalizer, policy_loss, token_entropy, token_logprobs
+from consumers.losses.terms import LOSSES, Terms, params_of, resolve
 
 __all__ = [
-    "LOG_RATIO_CLAMP",
     "LOSSES",
-    "Agg",
-    "LossFn",
     "Objective",
     "Terms",
-    "aggregate",
-    "log_ratio",
     "normalizer",
     "params_of",
     "policy_loss",
     "resolve",
-    "terms",
-    "tis_weight",
     "token_entropy",
     "token_logprobs",
 ]

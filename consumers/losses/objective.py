@@ -84,8 +84,7 @@ def policy_loss(
     is_weight_mean (after truncation) and is_weight_max (before).
     """
     prox_logp, sampler_logp, weights = mb.prox_logp.detach(), mb.sampler_logp.detach(), mb.weights
-    t = T.terms(
-        name,
+    t = T.resolve(name)(
         logp=logp,
         prox_logp=prox_logp,
         sampler_logp=sampler_logp,

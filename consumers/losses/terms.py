@@ -245,8 +245,3 @@ def resolve(name: str) -> LossFn:
         return Terms(out, ratio, none, none)
 
     return user_loss
-
-
-def terms(name: str, **kwargs) -> Terms:
-    """Run loss ``name`` on tensors and its parameters (see :func:`params_of`)."""
-    return resolve(name)(**kwargs)
