@@ -29,16 +29,12 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from consumers import checkpoint
 from consumers.batch import Batch
-
-if TYPE_CHECKING:
-    from consumers.learner import Learner
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +196,10 @@ class DataParallel:
             dist.destroy_process_group()
 
 
-def follow(learner: Learner, dp: DataParallel) -> int:
+def follow(learner, dp: DataParallel) -> int:
     """A rank > 0 under torchrun: restore what rank 0 restores, then train the batches it
-    broadcasts until it says stop. No Redis, no files written: rank 0 owns both."""
+    broadcasts until it says stop, with its :class:`~consumers.learner.Learner`. No Redis,
+    no files written: rank 0 owns both."""
     while True:
         kind, payload = dp.receive()
         if kind == "stop":  # the caller leaves the group (DataParallel.leave)

@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from consumers.losses import terms as T
+from consumers.losses.terms import LOG_RATIO_CLAMP, log_ratio, params_of, resolve
 from streamer.config import TrainerSection
 
 Agg = Literal["token-mean", "seq-mean"]
@@ -84,7 +84,7 @@ def policy_loss(
     is_weight_mean (after truncation) and is_weight_max (before).
     """
     prox_logp, sampler_logp, weights = mb.prox_logp.detach(), mb.sampler_logp.detach(), mb.weights
-    t = T.resolve(name)(
+    t = resolve(name)(
         logp=logp,
         prox_logp=prox_logp,
         sampler_logp=sampler_logp,
@@ -122,7 +122,7 @@ class Objective:
     @classmethod
     def of(cls, cfg: TrainerSection) -> Objective:
         """From the trainer config (a bad ``trainer.loss`` import path fails here)."""
-        return cls(cfg.loss, T.params_of(cfg.loss, cfg), cfg.aggregation, cfg.kl_coef)
+        return cls(cfg.loss, params_of(cfg.loss, cfg), cfg.aggregation, cfg.kl_coef)
 
     def normalizer(self, weights: torch.Tensor) -> torch.Tensor:
         return normalizer(weights, self.agg)
@@ -135,7 +135,7 @@ class Objective:
 
 def _k3(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     """k3 estimate of KL(p || q) per token from log q and log p on samples of p."""
-    log_r = T.log_ratio(log_q, log_p)
+    log_r = log_ratio(log_q, log_p)
     return log_r.exp() - log_r - 1.0
 
 
@@ -146,7 +146,7 @@ def _token_stats(t, logp, prox_logp, sampler_logp, weights, params) -> dict[str,
     def mean(x: torch.Tensor) -> torch.Tensor:
         return (x.float() * trained).sum() / n
 
-    raw_is = (prox_logp - sampler_logp).clamp(max=T.LOG_RATIO_CLAMP).exp()
+    raw_is = (prox_logp - sampler_logp).clamp(max=LOG_RATIO_CLAMP).exp()
     low, high = t.clipped_low & trained, t.clipped_high & trained
     return {
         "clip_fraction": mean(low | high),
