@@ -30,8 +30,7 @@ from streamer.errors import ConfigError
 
 
 def choose(dp: DataParallel | None) -> Plain:
-    """How the learner's weights are laid out over ``dp``'s ranks: :class:`Sharded` under
-    ``trainer.fsdp``, :class:`Plain` otherwise (one device, or replicated)."""
+    """:class:`Sharded` under ``trainer.fsdp``, :class:`Plain` otherwise."""
     return Sharded(dp) if dp is not None and dp.sharded else Plain(dp)
 
 
@@ -40,8 +39,7 @@ class Plain:
     each rank training its rows with gradients and metrics summed over ranks."""
 
     def __init__(self, dp: DataParallel | None = None):
-        self.dp = dp
-        self.model = None
+        self.dp, self.model = dp, None
 
     def place(self, model, ref_model, dtype: torch.dtype) -> None:
         """Take the policy (and the frozen reference model, or None) in ``dtype`` compute."""
@@ -56,7 +54,6 @@ class Plain:
         yield from micros
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """The sum over ranks is the single-device gradient."""
         if self.dp:
             self.dp.sum_grads(params)
 
