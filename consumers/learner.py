@@ -1,9 +1,8 @@
 """The trainer step: model + optimizer + one batch -> updated weights and step metrics.
 
 No Redis, no files but the models it loads (:meth:`Learner.from_config`): the trainer
-process hands it :class:`~consumers.batch.Batch` objects.
-One trainer step (see consumers/losses/ for the objective) is ``ppo_minibatches``
-optimizer steps:
+process hands it :class:`~consumers.batch.Batch` objects. One trainer step (the objective:
+consumers/losses/) is ``ppo_minibatches`` optimizer steps:
 
 1. recompute the proximal log-probs of the whole batch once, without grad (and the frozen
    reference model's, when ``kl_coef > 0``), plus the policy entropy as a metric, all at
