@@ -2,7 +2,8 @@
 
 A :class:`Task` is what turns rows into rewards: the rows, the renderer (tokenizer +
 chat template + stop ids) and the reward function. The sampler is built separately:
-producers and the evaluator share the construction of a remote one.
+producers and the evaluator share the construction of a remote one. The rollout is a
+function named by import path, or a rollout service's URL.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ from producers import rewards
 from producers.dataset import check_required, load_rows
 from producers.judge import Judge
 from producers.render import Renderer, stop_ids
+from producers.rollout_service import MAX_REPLY_BYTES, remote
 from producers.samplers import LocalSampler
 from streamer import models
 from streamer.config import RunConfig
-from streamer.rollout.contract import DEFAULT_ROLLOUT, Task
+from streamer.imports import load_function
+from streamer.rollout.contract import DEFAULT_ROLLOUT, Rollout, Task
 
 __all__ = [
     "Task",
     "build",
     "eval_sampler",
     "load_reward",
+    "load_rollout",
     "load_task",
     "local_sampler",
     "remote_sampler",
@@ -56,6 +60,14 @@ def load_reward(cfg: RunConfig, path: str):
     if path == "judge":
         return Judge(cfg.reward.judge)
     return rewards.load(path)
+
+
+def load_rollout(path: str, *, max_reply_bytes: int = MAX_REPLY_BYTES, timeout: float = 0.0) -> Rollout:
+    """The rollout at import path ``path`` ("" = the built-in single turn), or a rollout
+    service's URL (:func:`producers.rollout_service.remote`, with its reply limits)."""
+    if path.startswith(("http://", "https://")):
+        return remote(path, timeout=timeout, max_reply_bytes=max_reply_bytes)
+    return load_function(path or DEFAULT_ROLLOUT, what="rollout")
 
 
 def local_sampler(cfg: RunConfig, tokenizer) -> tuple[LocalSampler, list[int]]:

@@ -1,7 +1,7 @@
 """Evaluate a rollout function on held-out rows (the evaluator's multi-turn and server path).
 
 Single-turn sets on an in-process model are evaluated by the evaluator's batched pass.
-Everything else is scored by running the set's rollout (``producers.rollout.single_turn``
+Everything else is scored by running the set's rollout (``producers.single_turn.single_turn``
 when it has none of its own): each row is one group of n episodes (G = n) at the set's
 temperature, up to ``concurrency`` rows at once. On an in-process model their engine calls
 are batched into few ``sample_many`` calls by a :class:`MicroBatcher`; on a server each

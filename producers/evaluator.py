@@ -35,8 +35,7 @@ import anyio
 import redis
 
 from producers import eval_rollouts, eval_sets, rewards
-from producers import rollout as rollouts
-from producers.components import eval_sampler
+from producers.components import eval_sampler, load_rollout
 from producers.dataset import DatasetError
 from producers.eval_sets import EvalSet, RowScores, summarize
 from producers.follow import WeightFollower
@@ -296,7 +295,7 @@ def _prepare(spec: EvalSet, renderer) -> _Prepared:
     prompts = (
         [_render(spec.name, task, row, i) for i, row in enumerate(spec.rows)] if spec.single_turn else []
     )
-    return _Prepared(spec, task, prompts, rollouts.load(spec.rollout))
+    return _Prepared(spec, task, prompts, load_rollout(spec.rollout))
 
 
 def _describe(s: _Prepared) -> str:

@@ -34,9 +34,9 @@ import time
 import anyio
 import redis
 
-from producers import rollout as rollouts
-from producers.components import build
+from producers.components import build, load_rollout
 from producers.dataset import Order
+from producers.episodes import claimed_version, to_samples
 from producers.follow import WeightFollower
 from producers.heartbeat import Heartbeat
 from producers.inflight import WeightGate, blocking, retrying
@@ -49,7 +49,7 @@ from streamer.admission import AGAIN, EXHAUSTED, NOTHING_TO_TEACH, WAIT, Admissi
 from streamer.bus import Publisher
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect, replicated
-from streamer.errors import StreamerError, WeightsError
+from streamer.errors import EpisodeRejected, StreamerError, WeightsError
 from streamer.keys import Keys
 from streamer.rollout.batching import MicroBatcher
 from streamer.rollout.contract import DEFAULT_ROLLOUT, Completion, Episode, RolloutContext, Task
@@ -79,7 +79,7 @@ class Producer:
     ):
         self.cfg, self.producer_cfg, self.client, self.id = cfg, cfg.producer, client, producer_id
         self.task, self.sampler = task, sampler
-        self.rollout = rollout or rollouts.load(
+        self.rollout = rollout or load_rollout(
             self.producer_cfg.rollout,
             max_reply_bytes=self.producer_cfg.max_reply_bytes,
             timeout=self.producer_cfg.rollout_timeout,
@@ -374,7 +374,7 @@ class Producer:
                 reason, why = "timeout", f"timed out after {self.producer_cfg.rollout_timeout:.1f}s"
                 if str(leaf):
                     why = f"timed out: {leaf}"
-            elif isinstance(leaf, rollouts.EpisodeRejected):  # e.g. a service's bad reply
+            elif isinstance(leaf, EpisodeRejected):  # e.g. a service's bad reply
                 reason, why = leaf.reason, str(leaf)
             else:
                 reason, why = "error", f"raised {type(leaf).__name__}: {leaf}"
@@ -417,17 +417,17 @@ class Producer:
     async def _newest_version(self, episodes: list) -> int:
         """The newest version published: read again only when an episode claims a newer one
         than last read (a rollout service's engine may follow the policy ahead of this producer)."""
-        if rollouts.claimed_version(episodes) > max(self._newest, self.follower.version):
+        if claimed_version(episodes) > max(self._newest, self.follower.version):
             latest = await self._redis(self.client.get, self.keys.version)
             self._newest = max(self._newest, parse_int(latest, self.keys.version, default=0))
         return max(self._newest, self.follower.version)
 
     def _check(self, episodes: list, pos, newest: int) -> list[tuple]:
-        """(samples, Episode) of every episode that passes :func:`producers.rollout.to_samples`."""
+        """(samples, Episode) of every episode that passes :func:`producers.episodes.to_samples`."""
         out = []
         for i, e in enumerate(episodes[: self.producer_cfg.group_size]):
             try:
-                samples = rollouts.to_samples(
+                samples = to_samples(
                     e,
                     vocab_size=self.vocab_size,
                     max_seq_len=self.cfg.trainer.max_seq_len,
@@ -435,7 +435,7 @@ class Producer:
                     index=i,
                 )
                 out.append((samples, e))
-            except rollouts.EpisodeRejected as err:
+            except EpisodeRejected as err:
                 self.pending.add(f"episodes_dropped_{err.reason}")
                 log.warning("row %d (epoch %d): episode dropped: %s", pos.row, pos.epoch, err)
         return out

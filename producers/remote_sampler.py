@@ -224,7 +224,7 @@ def parse_completions(data: dict, *, n: int, stop_ids: list[int]) -> list[Comple
     choices, no log-probs, no token ids) is a :class:`SamplerError`; a choice whose values
     cannot mean what they say (an id that is not an int32, a log-prob that is not a number)
     drops the rollout (:class:`EpisodeRejected`); the ids' vocabulary and the log-probs'
-    range are checked with the episode (:func:`producers.rollout.to_sample`).
+    range are checked with the episode (:func:`producers.episodes.to_sample`).
     """
     try:
         choices = data["choices"]

@@ -12,7 +12,7 @@ from typing import Literal
 
 Kind = Literal["gauge", "counter"]
 
-# why a producer dropped an episode (see producers.rollout.REASONS)
+# why a producer dropped an episode (see producers.episodes.REASONS)
 EPISODE_DROP_REASONS = ("error", "timeout", "malformed", "bad_token", "bad_logprob", "too_long", "bad_reward")
 REJECT_REASONS = ("stale", "zero_variance", "too_few_samples", "overlong", "user_filter", "too_long")
 

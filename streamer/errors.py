@@ -85,7 +85,7 @@ class DatasetError(ConfigError):
 
 
 class EpisodeRejected(StreamerError, ValueError):
-    """An episode that must not be trained; ``reason`` is one of ``producers.rollout.REASONS``."""
+    """An episode that must not be trained; ``reason`` is one of ``producers.episodes.REASONS``."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(f"{reason}: {message}")

@@ -13,10 +13,10 @@ import torch
 from consumers import advantages
 from consumers.batch import collate
 from consumers.filters import GroupFilter
+from producers.episodes import to_samples
 from producers.producer import Producer
 from producers.proxy import proxied
 from producers.render import Renderer
-from producers.rollout import to_samples
 from schemas import MetricsEvent, TrajectoryGroup, decode, encode
 from streamer.config import RunConfig, TrainerSection, replace
 from streamer.errors import EpisodeRejected, PrefixMismatch

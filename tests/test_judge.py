@@ -14,7 +14,7 @@ from contexts import context
 from producers import httpd
 from producers.components import build
 from producers.producer import Producer
-from producers.rollout import single_turn
+from producers.single_turn import single_turn
 from schemas import MetricsEvent, TrajectoryGroup, decode
 from streamer import demo
 from streamer.config import RunConfig, replace

@@ -13,8 +13,9 @@ import redis
 
 from consumers.filters import is_stale
 from producers.components import build
+from producers.episodes import to_sample
 from producers.producer import Producer
-from producers.rollout import single_turn, to_sample
+from producers.single_turn import single_turn
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from streamer import demo, weights
 from streamer.config import RunConfig, replace
@@ -56,10 +57,10 @@ def _no_lease_or_slot_left(client, keys) -> None:
 
 
 def test_rollout_is_named_by_import_path(keys, redis_url, tmp_path, client):
-    cfg = _cfg(keys, redis_url, tmp_path, rollout="producers.rollout:single_turn")
+    cfg = _cfg(keys, redis_url, tmp_path, rollout="producers.single_turn:single_turn")
     assert _producer(cfg, client).rollout is single_turn
     with pytest.raises(ConfigError, match="has no function 'nope'"):
-        _producer(_cfg(keys, redis_url, tmp_path, rollout="producers.rollout:nope"), client)
+        _producer(_cfg(keys, redis_url, tmp_path, rollout="producers.single_turn:nope"), client)
 
 
 def test_a_weight_change_between_turns_shows_both_versions_and_the_group_is_judged_by_the_older(

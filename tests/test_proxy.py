@@ -165,7 +165,7 @@ def test_garbage_requests_get_a_4xx_with_a_reason_and_the_proxy_keeps_serving():
 
 @pytest.mark.parametrize("raises", [True, False])
 def test_an_agent_that_never_calls_or_raises_loses_only_its_episode_or_rollout(raises):
-    from producers.rollout import to_sample
+    from producers.episodes import to_sample
     from streamer.errors import EpisodeRejected
 
     task = _task()

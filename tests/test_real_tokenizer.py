@@ -9,8 +9,8 @@ import json
 
 import pytest
 
+from producers.episodes import to_sample
 from producers.render import Renderer
-from producers.rollout import to_sample
 from producers.samplers import LocalSampler
 from streamer import demo, models
 from streamer.config import ModelSection

@@ -15,7 +15,7 @@ import pytest
 from contexts import context
 
 from producers.components import load_task
-from producers.rollout import to_sample
+from producers.episodes import to_sample
 from streamer import demo
 from streamer.rollout import tasks
 from streamer.rollout.contract import Completion, RolloutContext

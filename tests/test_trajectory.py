@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from samples import group
 
+from producers.episodes import EpisodeRejected, to_sample
 from producers.render import Renderer
-from producers.rollout import EpisodeRejected, to_sample
 from schemas import DecodeError, Sample, Span, TrajectoryGroup, decode, encode
 from streamer import demo
 from streamer.rollout.contract import Completion, Episode, Segment

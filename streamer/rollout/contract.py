@@ -14,7 +14,7 @@ successive engine calls into one episode and enforces the prefix invariant.
 
 Write the G episodes as independent coroutines with :func:`episodes`: it runs
 ``fn(row, ctx, index)`` G times concurrently. The built-in single-turn rollout
-(:func:`producers.rollout.single_turn`) instead samples all G at once (one batched call).
+(:func:`producers.single_turn.single_turn`) instead samples all G at once (one batched call).
 
 Everything the evaluator and the producers share lives here, so ``consumers/`` needs
 nothing from ``producers/`` to name these types.
@@ -174,7 +174,7 @@ class RolloutContext:
 
 
 Rollout = Callable[[dict, RolloutContext], Awaitable[Sequence[Episode]]]
-DEFAULT_ROLLOUT = "producers.rollout:single_turn"  # loaded by producers.rollout.load
+DEFAULT_ROLLOUT = "producers.single_turn:single_turn"  # loaded by producers.components.load_rollout
 
 
 EpisodeFn = Callable[[dict, RolloutContext, int], Awaitable[Episode]]

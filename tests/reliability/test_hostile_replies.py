@@ -14,7 +14,7 @@ import time
 import pytest
 from harness import report, run_config_in
 
-from producers import rollout as rollouts
+from producers import rollout_service
 from producers.components import build
 from producers.producer import Producer
 from schemas import MetricsEvent, TrajectoryGroup, decode
@@ -248,7 +248,7 @@ def test_a_service_that_trickles_its_reply_is_cut_at_the_deadline(
     keys, redis_url, tmp_path, client, caplog, monkeypatch
 ):
     # stands for the 600 s a service's whole reply may take when rollout_timeout = 0
-    monkeypatch.setattr(rollouts, "SERVICE_TIMEOUT", 1.5, raising=False)
+    monkeypatch.setattr(rollout_service, "SERVICE_TIMEOUT", 1.5)
 
     def answer(path, write, stop):
         write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
