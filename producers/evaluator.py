@@ -85,14 +85,7 @@ class Evaluator:
             sets, renderer = [_default_set(cfg, task)], task.renderer
         self.sets = [_prepare(s, renderer) for s in sets]
         self.in_process = getattr(sampler, "max_parallel", 1) == 1 and hasattr(sampler, "sample_many")
-        self.follower = WeightFollower(
-            client,
-            self.keys,
-            weights_dir=cfg.weights_dir,
-            sampler=sampler,
-            verify=cfg.weights.verify,
-            who="evaluator",
-        )
+        self.follower = WeightFollower.of_run(cfg, client, sampler, who="evaluator")
         self.publisher = Publisher(client, self.keys, cfg.bus)
         self.evaluated: list[int] = []  # versions evaluated, in order
 

@@ -32,6 +32,7 @@ import redis
 from producers.reload import SharedReload
 from schemas import WeightSync
 from streamer import problems, weights
+from streamer.config import RunConfig
 from streamer.errors import SamplerError, StreamerError, WeightsError
 from streamer.keys import Keys
 from streamer.tail import Tail
@@ -74,6 +75,18 @@ class WeightFollower:
         # producers sharing one inference server reload it once per version, in order
         url = getattr(sampler, "base_url", None)
         self.shared = SharedReload(client, keys, url, lock_seconds=sampler.reload_deadline()) if url else None
+
+    @classmethod
+    def of_run(cls, cfg: RunConfig, client: redis.Redis, sampler, *, who: str) -> WeightFollower:
+        """The follower of run ``cfg``'s policy, with its weights directory and verification."""
+        return cls(
+            client,
+            Keys(cfg.run.name),
+            weights_dir=cfg.weights_dir,
+            sampler=sampler,
+            verify=cfg.weights.verify,
+            who=who,
+        )
 
     def due(self, sync: WeightSync | None) -> bool:
         """Whether ``sync`` is newer than ours and not waiting out a failed load's backoff."""
