@@ -30,6 +30,33 @@ LOGPROB_TOLERANCE = 1e-4  # a log-prob this far above 0 is float error (p = 1), 
 MAX_VERSION = 2**63 - 1  # the wire's version field is an int64
 
 
+def check_group(
+    episodes: list, *, vocab_size: int, max_seq_len: int, max_version: int
+) -> tuple[list[tuple[list[Sample], Episode]], list[EpisodeRejected]]:
+    """(its samples, the episode) of each episode that passes :func:`to_samples`, numbered by
+    its place in ``episodes``, and why each of the others did not."""
+    good, rejected = [], []
+    for i, e in enumerate(episodes):
+        try:
+            good.append(
+                (
+                    to_samples(
+                        e, vocab_size=vocab_size, max_seq_len=max_seq_len, max_version=max_version, index=i
+                    ),
+                    e,
+                )
+            )
+        except EpisodeRejected as err:
+            rejected.append(err)
+    return good, rejected
+
+
+def vocab_size(tokenizer, sampler) -> int:
+    """Token ids at or above this are malformed: the larger of tokenizer and model vocab."""
+    model = getattr(sampler, "model", None)
+    return max(len(tokenizer), int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0))
+
+
 def to_samples(
     episode: Episode, *, vocab_size: int, max_seq_len: int = 0, max_version: int = MAX_VERSION, index: int = 0
 ) -> list[Sample]:

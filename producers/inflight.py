@@ -13,6 +13,7 @@
   cancelling the caller (a rollout timeout) abandons the thread's result instead of
   waiting for it.
 - :func:`retrying`: the async twin of ``streamer.connection.retrying`` for server outages.
+- :func:`first_leaf`: what a task group's (nested) exception group really holds.
 """
 
 from __future__ import annotations
@@ -90,3 +91,10 @@ async def retrying(fn, *, what: str):
             log.warning("%s: server unavailable (%s); retrying in %.1fs", what, e, delay)
             await anyio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+def first_leaf(e: BaseException) -> BaseException:
+    """The first exception inside (nested) exception groups: what an episode really raised."""
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return e

@@ -9,22 +9,29 @@
    the row's record (:mod:`streamer.rows`) and the group's rollout metrics event
    (:mod:`streamer.stamp`). Only when the stream has no room does the producer wait
    (:meth:`streamer.bus.Publisher.wait_for_room`) and publish again.
+
+Counts that happen between published groups (weight loads, dropped groups) wait in
+:class:`~producers.stats.Pending` and ride along with the next group's metrics event, or go
+out on their own (:meth:`Trips.flush_metrics`) when a group is dropped and when the
+producer stops.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
-from collections.abc import Callable
 
 import redis
 
 from producers.dataset import Order
 from producers.stats import Pending
-from schemas import TrajectoryGroup, WeightSync, encode
+from schemas import MetricsEvent, TrajectoryGroup, WeightSync, encode
 from streamer import rows
 from streamer.admission import NO_ROOM, Admission, Claim, Leases, Published
 from streamer.bus import Publisher, unacked
+from streamer.config import RunConfig
+from streamer.connection import replicated
 from streamer.keys import Keys
 from streamer.stamp import stamped
 from streamer.tail import Tail
@@ -35,33 +42,65 @@ log = logging.getLogger(__name__)
 WINDOW = 256  # tickets whose rows a claim is told, to pass over rows set aside
 
 
+class Outcome(enum.StrEnum):
+    """What became of one claim."""
+
+    PUBLISHED = "published"
+    DROPPED = "dropped"  # fewer than min_group_size good episodes: nothing published
+    FAILED = "failed"  # the rollout raised or timed out: the row was handed back
+    ERROR = "error"  # the engine failed: the row was handed back, the producer backed off
+    LOST = "lost"  # the lease expired before the group was published
+    STOPPED = "stopped"  # stopping: the row was handed back
+    WAIT = "wait"  # no row free now: leases held elsewhere may still expire
+    AGAIN = "again"  # claim again, with a new window of rows
+    EXHAUSTED = "exhausted"  # every epoch claimed and finished
+    NOTHING_TO_TEACH = "nothing to teach"  # every row is solved
+
+
 class Trips:
+    """Producer ``producer_id``'s leases, admission slots and publishes in run ``cfg``."""
+
     def __init__(
         self,
+        cfg: RunConfig,
         client: redis.Redis,
-        keys: Keys,
         *,
-        leases: Leases,
-        admission: Admission,
+        producer_id: str,
         order: Order,
         tail: Tail,
         pending: Pending,
-        publisher: Publisher,
-        source: str,
     ):
-        self.client, self.keys, self.leases, self.admission = client, keys, leases, admission
-        self.order, self.tail, self.pending, self.publisher, self.source = (
+        self.client, self.keys, self.order, self.tail, self.pending = (
+            client,
+            Keys(cfg.run.name),
             order,
             tail,
             pending,
-            publisher,
-            source,
         )
-        self.defers = leases.revisit_probability < 1  # rows that teach nothing step aside
+        p, t = cfg.producer, cfg.trainer
+        self.leases = Leases(
+            client,
+            self.keys,
+            owner=producer_id,
+            lease_seconds=p.lease_seconds,
+            total_tickets=order.total_tickets(p.epochs),
+            max_attempts=p.max_row_attempts,
+            defer_after=p.defer_after,
+            revisit_probability=p.revisit_probability,
+            n_rows=order.n_rows,
+        )
+        self.admission = Admission(
+            client, self.keys, max_staleness=t.max_staleness, groups_per_step=t.groups_per_step
+        )
+        self.bus = cfg.bus
+        self.publisher = Publisher(client, self.keys, cfg.bus)
+        self.source = f"producer-{producer_id}"
+        self.defers = p.revisit_probability < 1  # rows that teach nothing step aside
         self.cursor = -1  # the ticket cursor the last claim saw: where the next window starts
-        self.rows = rows.RowCounts(leases.n_rows, 0, 0)  # as the last reply said
+        self.rows = rows.RowCounts(order.n_rows, 0, 0)  # as the last reply said
         self.newest: WeightSync | None = None  # the newest policy, as the last claim said
         self.fresh = False  # ... and no engine call has used that news yet
+        self.told_nothing_to_teach = False
 
     def claim(self) -> Claim:
         window = (-1, b"")
@@ -105,23 +144,22 @@ class Trips:
         self,
         ticket: int,
         group: TrajectoryGroup,
-        values_for: Callable[[float], dict[str, float]],
+        values: dict[str, float],
         *,
         stop: threading.Event,
-        max_unacked: int,
-    ) -> Published | str | None:
-        """Publish ``group`` with its metrics event (``values_for(backpressure seconds)``):
-        what was published, None (the lease was lost) or "stopped" (stopping, and no room:
-        nothing published, the caller hands the row back)."""
+    ) -> Outcome:
+        """Publish ``group`` with its metrics event (``values``, with the seconds waited for
+        room as ``backpressure_wait_seconds``): PUBLISHED (with ``bus.min_replicas``: on that
+        many replicas), LOST (the lease was) or STOPPED (stopping, and no room: nothing
+        published, the caller hands the row back)."""
         outcome, pass_rate = rows.outcome([s.reward for s in group.samples])
         row = (group.row, outcome, pass_rate) if outcome else None
         payload = encode(group)
 
-        def once(room: int, waited: float) -> Published | str | None:
+        def once(room: int, waited: float) -> Published | None:
             pending = self.pending.drain()
-            values = {**values_for(waited), **self.gauges()}
-            values = {**values, **{k: values.get(k, 0.0) + v for k, v in pending.items()}}
-            event = stamped(values=values, source=self.source)
+            waits = {"backpressure_wait_seconds": waited}
+            event = stamped(values=_plus({**values, **waits, **self.gauges()}, pending), source=self.source)
             out = self.leases.publish(
                 ticket, payload, max_unacked=room, metrics=event, group_version=group.policy_version, row=row
             )
@@ -129,14 +167,51 @@ class Trips:
                 self.pending.restore(pending)
             return out
 
-        published = once(max_unacked, 0.0)
+        published = once(self.bus.max_unacked, 0.0)
         if published is NO_ROOM:
             waited = self.publisher.wait_for_room(stop.is_set)
-            if stop.is_set() and unacked(self.client, self.keys.traj) >= max_unacked:
-                return "stopped"
+            if stop.is_set() and unacked(self.client, self.keys.traj) >= self.bus.max_unacked:
+                return Outcome.STOPPED
             published = once(-1, waited)
-        if isinstance(published, Published) and published.corrupt_row is not None:
+        if published is None:
+            log.warning("lease on row %d (epoch %d) was lost; group discarded", group.row, group.epoch)
+            return Outcome.LOST
+        if published.corrupt_row is not None:
             log.warning(
                 "row %s: its record on the server was unreadable; treated as new", published.corrupt_row
             )
-        return published
+        # if the master dies before its replicas hold the group, the error redoes the step (the
+        # row comes back when its lease expires, if the group is gone)
+        replicated(self.client, self.keys.replicated, self.bus)
+        return Outcome.PUBLISHED
+
+    def send_metrics(self, values: dict[str, float]) -> None:
+        """A rollout metrics event with ``values`` and what is pending, at the current rollout
+        step (not a new one)."""
+        step = parse_int(self.client.get(self.keys.rollout_step), self.keys.rollout_step, default=0)
+        values = _plus(values, self.pending.drain())
+        self.publisher.publish(
+            self.keys.metrics, MetricsEvent(axis="rollout", step=step, values=values, source=self.source)
+        )
+
+    def flush_metrics(self) -> None:
+        """Publish pending counters now."""
+        if not self.pending:
+            return
+        try:
+            self.send_metrics({})
+        except redis.exceptions.RedisError as e:
+            log.warning("could not publish pending rollout counters: %s", e)
+
+    def nothing_to_teach(self) -> bool:
+        """Every row is solved: say so in a metric, once; True that once."""
+        if self.told_nothing_to_teach:
+            return False
+        self.told_nothing_to_teach = True
+        self.send_metrics({"nothing_to_teach": 1.0, **self.gauges()})
+        return True
+
+
+def _plus(values: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
+    """``values`` with ``counts`` added (a counter in both is summed)."""
+    return {**values, **{k: values.get(k, 0.0) + v for k, v in counts.items()}}

@@ -111,7 +111,7 @@ def test_an_engine_that_goes_down_is_waited_out_and_nothing_is_lost(client, keys
             what="status to name the engine",
         )
         assert any("engine down" in what for what in snap.problems.values()), snap.problems
-        wait_until(lambda: producer._failures >= 2, timeout=60, what="two failed tries")
+        wait_until(lambda: producer.outages.failures >= 2, timeout=60, what="two failed tries")
         server.clear_failures()
         done.join(120)
         assert not done.is_alive(), "the producer did not finish after the engine came back"

@@ -243,7 +243,7 @@ def test_judge_that_answers_without_a_number_dead_letters_the_row_with_the_reply
     skipped = client.hgetall(keys.skipped_rows)
     assert list(skipped) == [b"0"] and says in skipped[b"0"].decode()
     assert len(skipped[b"0"]) < 500, "the quote is truncated"
-    p._flush_metrics()
+    p.trips.flush_metrics()
     assert _counters(client, keys)["episodes_dropped_bad_reward"] >= 2 and client.xlen(keys.traj) == 0
 
 

@@ -139,7 +139,7 @@ def test_a_rollout_that_raises_hands_its_row_back_and_is_skipped_after_repeated_
     assert skipped[b"0"].decode() == (
         f"{attempts} attempts failed; last: rollout raised RuntimeError: environment crashed"
     )
-    p._flush_metrics()
+    p.trips.flush_metrics()
     assert _counters(client, keys)["episodes_dropped_error"] == 2 * (attempts + 1)
     assert client.xlen(keys.traj) == 0
     _no_lease_or_slot_left(client, keys)
@@ -170,7 +170,7 @@ def test_a_hung_rollout_is_cancelled_and_its_row_handed_back(keys, redis_url, tm
     p = _producer(_cfg(keys, redis_url, tmp_path, rollout_timeout=0.3), client, rollout=hangs)
     assert p.step() == "failed"
     assert client.lrange(keys.requeue, 0, -1) == [b"0"], "the row is first in line again"
-    p._flush_metrics()
+    p.trips.flush_metrics()
     assert _counters(client, keys)["episodes_dropped_timeout"] == 2
     _no_lease_or_slot_left(client, keys)
 
@@ -226,7 +226,7 @@ def test_a_prefix_mismatch_is_counted_and_never_trained(keys, redis_url, tmp_pat
 
     p = _producer(_cfg(keys, redis_url, tmp_path), client, rollout=rerenders)
     assert p.step() == "failed"
-    p._flush_metrics()
+    p.trips.flush_metrics()
     assert _counters(client, keys)["prefix_mismatches"] == 1 and client.xlen(keys.traj) == 0
     assert "prompt diverges from the trajectory at token" in caplog.text
 
@@ -327,7 +327,7 @@ def test_a_bad_reply_from_a_rollout_service_drops_the_rollout_and_hands_the_row_
     with _Service(lambda body: (status, payload)) as service:
         p = _producer(_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
         assert p.step() == "failed"
-    p._flush_metrics()
+    p.trips.flush_metrics()
     assert _counters(client, keys)[f"episodes_dropped_{reason}"] == 2 and client.xlen(keys.traj) == 0
     assert says in caplog.text and re.search(r"row \d+ \(epoch 0\): rollout http://", caplog.text)
     assert client.lrange(keys.requeue, 0, -1) == [b"0"] and client.hlen(keys.row_attempts) == 1

@@ -196,7 +196,7 @@ def test_a_hostile_engine_answer_drops_the_rollout_with_its_reason(
         cfg = _cfg(keys, redis_url, tmp_path, sampler="remote", remote_url=engine.url, remote_retries=0)
         p = _producer(cfg, client)
         assert p.step() in ("failed", "dropped"), "the producer goes on"
-    p._flush_metrics()
+    p.trips.flush_metrics()
     assert _counters(client, keys)[f"episodes_dropped_{reason}"] == 2 and client.xlen(keys.traj) == 0
     assert says in caplog.text
     _nothing_held(client, keys)
@@ -237,7 +237,7 @@ def test_a_reply_larger_than_max_reply_bytes_drops_the_rollout(
         start = time.monotonic()
         assert p.step() == "failed"
         elapsed = time.monotonic() - start
-    p._flush_metrics()
+    p.trips.flush_metrics()
     assert _reason(client, keys) == "malformed" and "max_reply_bytes = 65536" in caplog.text
     assert elapsed < 5, f"{elapsed:.1f}s: the reply was waited for, not refused"
     assert client.lrange(keys.requeue, 0, -1) == [b"0"], "the row is handed back"
@@ -264,7 +264,7 @@ def test_a_service_that_trickles_its_reply_is_cut_at_the_deadline(
         worker.join(30)
         elapsed = time.monotonic() - start
     assert outcome == ["failed"], f"still reading after {elapsed:.0f}s"
-    p._flush_metrics()
+    p.trips.flush_metrics()
     assert _reason(client, keys) == "timeout" and "no complete answer within" in caplog.text
     assert elapsed < 10, elapsed
     _nothing_held(client, keys)

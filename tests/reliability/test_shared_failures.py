@@ -7,7 +7,8 @@ works again."""
 from __future__ import annotations
 
 from producers.components import build
-from producers.producer import SYSTEMIC_ROWS, Producer
+from producers.outages import SYSTEMIC_ROWS
+from producers.producer import Producer
 from streamer.config import RunConfig, replace
 from streamer.readmodel import snapshot
 from streamer.rollout.contract import episodes
@@ -36,7 +37,7 @@ def test_rows_failing_the_same_way_are_not_charged_and_status_names_it(client, k
         producer.backoffs.append(seconds)
 
     producer.backoffs = []
-    producer._backoff = no_wait
+    producer.outages.backoff = no_wait
     outcomes = [producer.step() for _ in range(10)]
     assert outcomes == ["failed"] * 10
     # each row fails max_row_attempts (2) times, is skipped, the next is tried: the pattern shows

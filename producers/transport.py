@@ -1,0 +1,97 @@
+"""How a producer's event loop reaches the server and the engine: chosen once, from the sampler.
+
+- A server engine (``max_parallel`` > 1), or a sampler without ``sample_many``: every engine
+  call runs in a worker thread (at most ``max_parallel`` at once), and so does every Redis
+  call (at most the rows in flight + 2).
+- An in-process model: the engine calls of concurrent episodes are batched into one
+  ``sample_many`` (:class:`streamer.rollout.batching.MicroBatcher`). With one row in flight its
+  Redis calls run on the event loop itself: while one runs the loop has nothing else to
+  do, and a thread hop costs more CPU than the call.
+
+Every engine call first loads a newer policy if there is one (the claim's reply says so,
+else the policy stream is read), under the :class:`~producers.inflight.WeightGate`, and its
+completions are stamped with the version that sampled them: the turns of one episode may
+differ in version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+
+from producers.follow import WeightFollower
+from producers.inflight import WeightGate, blocking
+from producers.trips import Trips
+from streamer.rollout.batching import MicroBatcher
+from streamer.rollout.contract import Completion
+
+
+class Transport:
+    """``redis(fn, *args)`` and ``sample(prompt_ids, **settings)``, for the whole run."""
+
+    def __init__(
+        self,
+        sampler,
+        *,
+        follower: WeightFollower,
+        trips: Trips,
+        concurrency: int,
+        reward_concurrency: int,
+    ):
+        self.sampler, self.follower, self.trips, self.pending = sampler, follower, trips, trips.pending
+        self.max_parallel = getattr(sampler, "max_parallel", 1)
+        self.concurrency, self.reward_concurrency = concurrency, reward_concurrency
+        in_process = self.max_parallel == 1 and hasattr(sampler, "sample_many")
+        self.sample = MicroBatcher(self._sample_batch).sample if in_process else self._sample_one
+        self.redis = self._inline if in_process and concurrency == 1 else self._in_thread
+
+    def start(self) -> None:
+        """The parts that belong to one event loop (anyio's): first thing in each loop."""
+        self.gate = WeightGate(exclusive=self.max_parallel == 1)
+        self._redis_limiter = anyio.CapacityLimiter(self.concurrency + 2)
+        self._sample_limiter = anyio.CapacityLimiter(self.max_parallel)
+        self.reward_limiter = anyio.CapacityLimiter(self.reward_concurrency)
+
+    async def _inline(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    async def _in_thread(self, fn, *args, **kwargs):
+        return await blocking(fn, *args, limiter=self._redis_limiter, **kwargs)
+
+    async def _sample_one(self, prompt_ids: list[int], **kwargs) -> list[Completion]:
+        """One engine call in a worker thread."""
+        await self._follow_weights()
+        async with self.gate.reading():
+            version = self.follower.version
+            out = await blocking(self.sampler.sample, prompt_ids, limiter=self._sample_limiter, **kwargs)
+        return _stamped(out, version)
+
+    async def _sample_batch(self, prompts: list[list[int]], **kwargs) -> list[list[Completion]]:
+        """One batched generate of an in-process model."""
+        await self._follow_weights()
+        async with self.gate.reading():
+            version = self.follower.version
+            out = await blocking(self.sampler.sample_many, prompts, limiter=self._sample_limiter, **kwargs)
+        return [_stamped(cs, version) for cs in out]
+
+    async def _follow_weights(self) -> None:
+        """Load a newer version, once no engine call is in flight (see WeightGate)."""
+        fresh, sync = self.trips.policy_news()  # what the claim just said: no round trip of its own
+        if not fresh:
+            sync = await self.redis(self.trips.read_policy)
+        f = self.follower
+        if not f.due(sync):
+            return
+        async with self.gate.writing():
+            if not f.due(sync):
+                return  # another worker loaded it while we waited
+            errors = f.errors
+            if await blocking(f.load, sync):
+                self.pending.weight_load_seconds = f.last_load_seconds
+                self.pending.add("weight_loads")
+            self.pending.add("weight_load_errors", f.errors - errors)
+
+
+def _stamped(completions: list[Completion], version: int) -> list[Completion]:
+    return [dataclasses.replace(c, version=version) for c in completions]
