@@ -28,10 +28,8 @@ its forks (:attr:`Episode.forks`, counted as ``episode_forks``), each a sample o
 with the episode's reward and advantage. A sampled token carries weight only in the chain
 that sampled it; where a later chain's prompt repeats it, it is context.
 
-With ``tools`` in a request, a completion's Hermes-style calls
-(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format of Qwen and many
-open models) come back as ``tool_calls``; arguments sent back as JSON strings are parsed
-into objects before rendering, as templates that ``tojson`` them expect.
+With ``tools`` in a request, a completion's Hermes-style calls come back as ``tool_calls``
+(:mod:`producers.openai_chat`, the API's requests and replies).
 
 Bad requests get a 4xx with a reason (OpenAI's error shape), never a crash: a body that
 is not JSON or does not match the schema (the reason names the field), an unknown key,
@@ -52,36 +50,30 @@ hangs up is one debug line.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import re
 import secrets
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
-import msgspec
 
 from producers import httpd
 from producers.httpd import JsonHandler
+from producers.openai_chat import MODEL, BadRequest, completion, parse_request, template_message
 from streamer.errors import EpisodeRejected, PrefixMismatch, SamplerError
 from streamer.rollout.contract import Completion, Episode, Rollout, RolloutContext, episodes
 from streamer.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
-MODEL = "streamer-policy"  # the model name the proxy reports (any name is accepted)
 MAX_BODY = 8 << 20  # bytes
 MAX_PROMPT_TOKENS = 32768  # a call's token limit if trainer.max_seq_len is 0 and the tokenizer has none
 SOCKET_TIMEOUT = 30.0  # seconds a connection may send nothing (an idle keep-alive one too)
 MAX_CONNECTIONS = 256  # connections served at once
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
 @dataclass(frozen=True)
@@ -121,95 +113,6 @@ def proxied(fn: Agent | None = None, *, max_trim_tokens: int = 0):
         return episodes(episode)
 
     return wrap(fn) if fn is not None else wrap
-
-
-# ---------------------------------------------------------------- requests
-
-
-class _Part(msgspec.Struct):
-    type: str
-    text: str = ""
-
-
-class _Message(msgspec.Struct, omit_defaults=True):
-    role: str
-    content: str | list[_Part] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-
-class _Request(msgspec.Struct):
-    messages: list[_Message]
-    model: str = MODEL
-    tools: list[dict[str, Any]] | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    n: int = 1
-    stream: bool = False
-
-
-class BadRequest(httpd.HTTPError):
-    """A call answered with a 4xx/5xx and its reason."""
-
-
-def _parse(body: bytes) -> _Request:
-    try:
-        req = msgspec.json.decode(body, type=_Request)
-    except msgspec.DecodeError as e:
-        raise BadRequest(400, f"bad request body: {e}") from None
-    if req.n != 1:
-        raise BadRequest(400, f"n must be 1 (each call samples one completion of the episode), not {req.n}")
-    if req.stream:
-        raise BadRequest(400, "stream is not supported")
-    if not req.messages:
-        raise BadRequest(400, "messages is empty")
-    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if limit is not None and limit < 1:
-        raise BadRequest(400, f"max_tokens must be >= 1, not {limit}")
-    return req
-
-
-def _as_template_input(m: _Message) -> dict:
-    """A message as chat templates take it: text parts joined, tool arguments as objects."""
-    out = msgspec.to_builtins(m)
-    if isinstance(m.content, list):
-        if any(p.type != "text" for p in m.content):
-            raise BadRequest(400, f"only text content is supported (a {m.role} message has other parts)")
-        out["content"] = "".join(p.text for p in m.content)
-    elif m.content is None:
-        out["content"] = ""
-    for call in out.get("tool_calls") or []:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-            try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except ValueError:
-                raise BadRequest(400, f"tool call arguments are not JSON: {fn['arguments'][:80]!r}") from None
-    return out
-
-
-def _tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Hermes-style ``<tool_call>{...}</tool_call>`` in ``text``: (content before them, calls)."""
-    calls = []
-    for i, m in enumerate(_TOOL_CALL.finditer(text)):
-        try:
-            parsed = json.loads(m.group(1))
-        except ValueError:
-            continue  # not a call the agent could run: it stays in the content
-        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-            continue
-        arguments = parsed.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{i}",
-                "type": "function",
-                "function": {"name": parsed["name"], "arguments": json.dumps(arguments)},
-            }
-        )
-    if not calls:
-        return text, []
-    return text[: text.index("<tool_call>")], calls
 
 
 # ---------------------------------------------------------------- sessions
@@ -311,8 +214,8 @@ class ProxyServer:
 
     def complete(self, session: Session, body: bytes) -> dict:
         """One chat completion: render, sample in the producer's loop, record, answer."""
-        req = _parse(body)
-        messages = [_as_template_input(m) for m in req.messages]
+        req = parse_request(body)
+        messages = [template_message(m) for m in req.messages]
         renderer, ctx = session.ctx.task.renderer, session.ctx
         max_len, limit_name = _max_len(ctx)
         chars = sum(len(m["content"]) for m in messages)
@@ -338,24 +241,7 @@ class ProxyServer:
         how = session.fold(prompt, c)
         if how == "diverged":
             log.warning("proxy: a call re-tokenized an earlier turn; a new chain starts (counted)")
-        text = renderer.decode(c.token_ids)
-        content, calls = _tool_calls(text) if req.tools else (text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        finish = c.finish_reason
-        if calls:
-            message["tool_calls"], finish = calls, "tool_calls"
-        return {
-            "id": f"chatcmpl-{secrets.token_hex(8)}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(c.token_ids),
-                "total_tokens": len(prompt) + len(c.token_ids),
-            },
-        }
+        return completion(req, prompt, c, renderer.decode(c.token_ids))
 
 
 _server: ProxyServer | None = None
