@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Awaitable, Callable
 
 import anyio
 import redis
@@ -65,10 +64,8 @@ class Outages:
         *,
         stop: threading.Event,
         who: str,
-        redis_call: Callable[..., Awaitable],
     ):
         self.client, self.keys, self.leases, self.stop, self.who = client, keys, leases, stop, who
-        self.redis_call = redis_call  # how the event loop makes a Redis call (producers.transport)
         self.failures = 0  # engine calls failed in a row
         self.streak: list[tuple[str, int, int]] = []  # (failure, ticket, row) failed since a success
         self.problem = False  # whether status's problems name this producer
@@ -99,9 +96,7 @@ class Outages:
                 waited += delay
                 delay = min(5.0, delay * 2)
                 continue
-            if self.problem:
-                problems.clear(self.client, self.keys, self.who)
-                self.problem = False
+            self.recovered()
             log.info("engine %s answers", getattr(sampler, "base_url", ""))
             return
 
@@ -139,12 +134,12 @@ class Outages:
         self.report(what)
         return min(30.0, 0.5 * 2 ** min(len(self.streak) - SYSTEMIC_ROWS, 6))
 
-    async def recovered(self) -> None:
+    def recovered(self) -> None:
         """A group was published: no failure is shared any more, and status says nothing."""
         self.streak.clear()
         if self.problem:
+            problems.clear(self.client, self.keys, self.who)
             self.problem = False
-            await self.redis_call(problems.clear, self.client, self.keys, self.who)
 
     async def backoff(self, seconds: float) -> None:
         with anyio.move_on_after(seconds):

@@ -110,14 +110,7 @@ class Producer:
             concurrency=self.producer_cfg.concurrency,
             reward_concurrency=cfg.reward.concurrency,
         )
-        self.outages = Outages(
-            client,
-            self.keys,
-            self.leases,
-            stop=self.stop,
-            who=f"producer {producer_id}",
-            redis_call=self.transport.redis,
-        )
+        self.outages = Outages(client, self.keys, self.leases, stop=self.stop, who=f"producer {producer_id}")
         self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.producer_cfg.lease_seconds / 3))
 
     # ------------------------------------------------------------ the loop
@@ -230,7 +223,7 @@ class Producer:
         if outcome is not Outcome.FAILED:
             self.outages.failures = 0
         if outcome is Outcome.PUBLISHED:
-            await self.outages.recovered()
+            self.outages.recovered()
         return outcome
 
     async def _work(self, ticket: int, *, granted: bool = False) -> Outcome:
