@@ -9,6 +9,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+from producing import counters
 
 from consumers import advantages
 from consumers.batch import collate
@@ -17,7 +18,7 @@ from producers.episodes import to_samples
 from producers.producer import Producer
 from producers.proxy import proxied
 from producers.render import Renderer
-from schemas import MetricsEvent, TrajectoryGroup, decode, encode
+from schemas import TrajectoryGroup, decode, encode
 from streamer.config import RunConfig, TrainerSection, replace
 from streamer.errors import EpisodeRejected, PrefixMismatch
 from streamer.rollout.contract import Completion, Task, episodes
@@ -202,11 +203,7 @@ def _cfg(keys, redis_url, tmp_path, *, group_size: int = 3, max_seq_len: int = 0
 
 def _published(client, keys) -> tuple[TrajectoryGroup, dict[str, float]]:
     (group,) = [decode(f[b"d"], TrajectoryGroup) for _, f in client.xrange(keys.traj)]
-    counters: dict[str, float] = {}
-    for _, f in client.xrange(keys.metrics):
-        for k, v in decode(f[b"d"], MetricsEvent).values.items():
-            counters[k] = counters.get(k, 0.0) + v
-    return group, counters
+    return group, counters(client, keys)
 
 
 def test_fork_through_the_proxy_trains_every_chain_once(keys, redis_url, tmp_path, client):

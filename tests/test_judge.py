@@ -10,6 +10,7 @@ import threading
 import anyio
 import pytest
 from contexts import context
+from producing import counters
 
 from producers import httpd
 from producers.components import build
@@ -171,14 +172,6 @@ def _cfg(keys, redis_url, tmp_path, url: str, *, attempts: int = 3, **judge) -> 
     )
 
 
-def _counters(client, keys) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for _, f in client.xrange(keys.metrics):
-        for k, v in decode(f[b"d"], MetricsEvent).values.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
 def test_judge_requests_of_a_group_run_at_once_and_their_scores_are_the_rewards(
     keys, redis_url, tmp_path, client
 ):
@@ -244,7 +237,7 @@ def test_judge_that_answers_without_a_number_dead_letters_the_row_with_the_reply
     assert list(skipped) == [b"0"] and says in skipped[b"0"].decode()
     assert len(skipped[b"0"]) < 500, "the quote is truncated"
     p.trips.flush_metrics()
-    assert _counters(client, keys)["episodes_dropped_bad_reward"] >= 2 and client.xlen(keys.traj) == 0
+    assert counters(client, keys)["episodes_dropped_bad_reward"] >= 2 and client.xlen(keys.traj) == 0
 
 
 def test_judge_config_errors_name_the_key_or_the_row_before_anything_runs(keys, redis_url, tmp_path):

@@ -10,63 +10,33 @@ import re
 import anyio
 import pytest
 import redis
+from producing import counters, make_producer, nothing_held, run_cfg
 
 from consumers.filters import is_stale
-from producers.components import build
 from producers.episodes import to_sample
-from producers.producer import Producer
 from producers.single_turn import single_turn
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from streamer import demo, weights
-from streamer.config import RunConfig, replace
 from streamer.errors import ConfigError, EpisodeRejected
 from streamer.rollout.contract import Completion, Episode, Segment, episodes
 from streamer.rollout.trajectory import Trajectory
-
-
-def _cfg(keys, redis_url, tmp_path, max_seq_len: int = 0, **producer) -> RunConfig:
-    base = {"group_size": 2, "min_group_size": 2, "max_new_tokens": 2, "torch_threads": 1}
-    return replace(
-        RunConfig(),
-        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
-        producer={**base, **producer},
-        trainer={"groups_per_step": 1000, "max_seq_len": max_seq_len},
-    )
-
-
-def _producer(cfg, client, rollout=None) -> Producer:
-    task, sampler = build(cfg)
-    return Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler, rollout=rollout)
 
 
 def _groups(client, keys) -> list[TrajectoryGroup]:
     return [decode(f[b"d"], TrajectoryGroup) for _, f in client.xrange(keys.traj)]
 
 
-def _counters(client, keys) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for _, f in client.xrange(keys.metrics):
-        for k, v in decode(f[b"d"], MetricsEvent).values.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
-def _no_lease_or_slot_left(client, keys) -> None:
-    assert client.zcard(keys.leases) == 0 and client.scard(keys.lease_slots) == 0
-    assert int(client.get(keys.admitted) or 0) == client.xlen(keys.traj), "an admission slot leaked"
-
-
 def test_rollout_is_named_by_import_path(keys, redis_url, tmp_path, client):
-    cfg = _cfg(keys, redis_url, tmp_path, rollout="producers.single_turn:single_turn")
-    assert _producer(cfg, client).rollout is single_turn
+    cfg = run_cfg(keys, redis_url, tmp_path, rollout="producers.single_turn:single_turn")
+    assert make_producer(cfg, client).rollout is single_turn
     with pytest.raises(ConfigError, match="has no function 'nope'"):
-        _producer(_cfg(keys, redis_url, tmp_path, rollout="producers.single_turn:nope"), client)
+        make_producer(run_cfg(keys, redis_url, tmp_path, rollout="producers.single_turn:nope"), client)
 
 
 def test_a_weight_change_between_turns_shows_both_versions_and_the_group_is_judged_by_the_older(
     keys, redis_url, tmp_path, client
 ):
-    cfg = _cfg(keys, redis_url, tmp_path)
+    cfg = run_cfg(keys, redis_url, tmp_path)
     uri, sha = weights.write_version(demo.build_model(seed=5), cfg.weights_dir, 1)
 
     @episodes
@@ -81,7 +51,7 @@ def test_a_weight_change_between_turns_shows_both_versions_and_the_group_is_judg
         t.extend(t.next_prompt(), c2)
         return t.episode(1.0 if i else 0.0)
 
-    assert _producer(cfg, client, rollout=two_turns).step() == "published"
+    assert make_producer(cfg, client, rollout=two_turns).step() == "published"
     (g,) = _groups(client, keys)
     versions = {v for s in g.samples for v in s.token_versions().tolist() if v >= 0}
     assert versions == {0, 1}, "both versions are recorded, per turn"
@@ -93,7 +63,7 @@ def test_a_weight_change_between_turns_shows_both_versions_and_the_group_is_judg
 
 def test_rows_in_flight_at_once_each_with_a_lease_and_a_slot(keys, redis_url, tmp_path, client):
     n = 4
-    cfg = _cfg(keys, redis_url, tmp_path, concurrency=n, max_groups=8)
+    cfg = run_cfg(keys, redis_url, tmp_path, concurrency=n, max_groups=8)
     state = {"in": 0, "peak": 0}
 
     async def gathered(row, ctx):
@@ -107,12 +77,12 @@ def test_rows_in_flight_at_once_each_with_a_lease_and_a_slot(keys, redis_url, tm
         finally:
             state["in"] -= 1
 
-    p = _producer(cfg, client, rollout=gathered)
+    p = make_producer(cfg, client, rollout=gathered)
     assert p.run() == 0
     groups = _groups(client, keys)
     assert state["peak"] == n and len(groups) == 8 and len({g.group_id for g in groups}) == 8
     assert max(_metric_values(client, keys, "in_flight_episodes")) >= 2
-    _no_lease_or_slot_left(client, keys)
+    nothing_held(client, keys)
 
 
 def _metric_values(client, keys, name):
@@ -125,9 +95,9 @@ def test_a_rollout_that_raises_hands_its_row_back_and_is_skipped_after_repeated_
     async def broken(row, ctx):
         raise RuntimeError("environment crashed")
 
-    cfg = _cfg(keys, redis_url, tmp_path)
+    cfg = run_cfg(keys, redis_url, tmp_path)
     attempts = cfg.producer.max_row_attempts
-    p = _producer(cfg, client, rollout=broken)
+    p = make_producer(cfg, client, rollout=broken)
     outcomes = [p.step() for _ in range(attempts)]
     assert outcomes == ["failed"] * attempts
     assert client.lrange(keys.requeue, 0, -1) == [b"0"] and int(client.get(keys.cursor)) == 1, "one row"
@@ -140,9 +110,9 @@ def test_a_rollout_that_raises_hands_its_row_back_and_is_skipped_after_repeated_
         f"{attempts} attempts failed; last: rollout raised RuntimeError: environment crashed"
     )
     p.trips.flush_metrics()
-    assert _counters(client, keys)["episodes_dropped_error"] == 2 * (attempts + 1)
+    assert counters(client, keys)["episodes_dropped_error"] == 2 * (attempts + 1)
     assert client.xlen(keys.traj) == 0
-    _no_lease_or_slot_left(client, keys)
+    nothing_held(client, keys)
 
 
 def test_a_server_outage_inside_a_rollout_is_not_the_rows_failure(keys, redis_url, tmp_path, client):
@@ -153,26 +123,26 @@ def test_a_server_outage_inside_a_rollout_is_not_the_rows_failure(keys, redis_ur
     async def stalls(row, ctx):
         raise redis.exceptions.TimeoutError("Timeout reading from socket")
 
-    cfg = _cfg(keys, redis_url, tmp_path)
-    p = _producer(cfg, client, rollout=stalls)
+    cfg = run_cfg(keys, redis_url, tmp_path)
+    p = make_producer(cfg, client, rollout=stalls)
     for _ in range(cfg.producer.max_row_attempts + 1):
         with pytest.raises(redis.exceptions.TimeoutError):
             p.step()
     assert client.hlen(keys.row_attempts) == 0 and client.hlen(keys.skipped_rows) == 0
     assert client.lrange(keys.requeue, 0, -1) == [b"0"], "handed back, first in line"
-    _no_lease_or_slot_left(client, keys)
+    nothing_held(client, keys)
 
 
 def test_a_hung_rollout_is_cancelled_and_its_row_handed_back(keys, redis_url, tmp_path, client):
     async def hangs(row, ctx):
         await anyio.sleep_forever()
 
-    p = _producer(_cfg(keys, redis_url, tmp_path, rollout_timeout=0.3), client, rollout=hangs)
+    p = make_producer(run_cfg(keys, redis_url, tmp_path, rollout_timeout=0.3), client, rollout=hangs)
     assert p.step() == "failed"
     assert client.lrange(keys.requeue, 0, -1) == [b"0"], "the row is first in line again"
     p.trips.flush_metrics()
-    assert _counters(client, keys)["episodes_dropped_timeout"] == 2
-    _no_lease_or_slot_left(client, keys)
+    assert counters(client, keys)["episodes_dropped_timeout"] == 2
+    nothing_held(client, keys)
 
 
 def test_a_log_prob_checked_as_it_is_sent():
@@ -198,19 +168,21 @@ def test_malformed_episodes_are_dropped_with_reasons_and_never_published(keys, r
     async def garbage(row, ctx):
         return bad
 
-    p = _producer(_cfg(keys, redis_url, tmp_path, max_seq_len=20, group_size=5), client, rollout=garbage)
+    p = make_producer(
+        run_cfg(keys, redis_url, tmp_path, max_seq_len=20, group_size=5), client, rollout=garbage
+    )
     assert p.step() == "dropped"
-    c = _counters(client, keys)
+    c = counters(client, keys)
     assert c["episodes_dropped_malformed"] == 2 and c["episodes_dropped_bad_token"] == 1
     assert c["episodes_dropped_bad_logprob"] == 1 and c["episodes_dropped_too_long"] == 1
     assert client.xlen(keys.traj) == 0
-    _no_lease_or_slot_left(client, keys)
+    nothing_held(client, keys)
     good = Episode([Segment([1]), Segment([2], [-0.1], 0)], 1.0)
 
     async def mixed(row, ctx):
         return [*bad[:3], good, good]
 
-    p = _producer(_cfg(keys, redis_url, tmp_path, group_size=5), client, rollout=mixed)
+    p = make_producer(run_cfg(keys, redis_url, tmp_path, group_size=5), client, rollout=mixed)
     assert p.step() == "published"  # the good ones are enough for min_group_size
     (g,) = _groups(client, keys)
     assert len(g.samples) == 2
@@ -224,10 +196,10 @@ def test_a_prefix_mismatch_is_counted_and_never_trained(keys, redis_url, tmp_pat
         t.extend(ctx.task.renderer.render(row), c)  # the history re-rendered without turn 1
         return [t.episode(1.0)]
 
-    p = _producer(_cfg(keys, redis_url, tmp_path), client, rollout=rerenders)
+    p = make_producer(run_cfg(keys, redis_url, tmp_path), client, rollout=rerenders)
     assert p.step() == "failed"
     p.trips.flush_metrics()
-    assert _counters(client, keys)["prefix_mismatches"] == 1 and client.xlen(keys.traj) == 0
+    assert counters(client, keys)["prefix_mismatches"] == 1 and client.xlen(keys.traj) == 0
     assert "prompt diverges from the trajectory at token" in caplog.text
 
 
@@ -302,7 +274,7 @@ def test_a_remote_rollout_service_returns_token_native_episodes(keys, redis_url,
 
     client.set(keys.version, 4)  # the version the service's engine sampled with is published
     with _Service(reply) as service:
-        p = _producer(_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
+        p = make_producer(run_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
         assert p.step() == "published"
     (g,) = _groups(client, keys)
     assert [s.reward for s in g.samples] == [0.0, 1.0] and g.policy_version == 4
@@ -325,13 +297,13 @@ def test_a_bad_reply_from_a_rollout_service_drops_the_rollout_and_hands_the_row_
     keys, redis_url, tmp_path, client, caplog, status, payload, reason, says
 ):
     with _Service(lambda body: (status, payload)) as service:
-        p = _producer(_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
+        p = make_producer(run_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
         assert p.step() == "failed"
     p.trips.flush_metrics()
-    assert _counters(client, keys)[f"episodes_dropped_{reason}"] == 2 and client.xlen(keys.traj) == 0
+    assert counters(client, keys)[f"episodes_dropped_{reason}"] == 2 and client.xlen(keys.traj) == 0
     assert says in caplog.text and re.search(r"row \d+ \(epoch 0\): rollout http://", caplog.text)
     assert client.lrange(keys.requeue, 0, -1) == [b"0"] and client.hlen(keys.row_attempts) == 1
-    _no_lease_or_slot_left(client, keys)
+    nothing_held(client, keys)
 
 
 def test_an_unreachable_or_busy_rollout_service_is_an_outage_not_the_rows_failure(
@@ -339,15 +311,15 @@ def test_an_unreachable_or_busy_rollout_service_is_an_outage_not_the_rows_failur
 ):
     with _Service(lambda body: (503, b"busy")) as service:
         busy = service.url
-        p = _producer(_cfg(keys, redis_url, tmp_path, rollout=busy), client)
+        p = make_producer(run_cfg(keys, redis_url, tmp_path, rollout=busy), client)
         p.stop.set()  # no backoff wait in the test
         assert p.step() == "error"
-    p = _producer(_cfg(keys, redis_url, tmp_path, rollout=busy), client)  # now nothing listens there
+    p = make_producer(run_cfg(keys, redis_url, tmp_path, rollout=busy), client)  # now nothing listens there
     p.stop.set()
     assert p.step() == "error"
     assert client.hlen(keys.row_attempts) == 0, "an outage is not an attempt"
     assert client.lrange(keys.requeue, 0, -1) == [b"0"]
-    _no_lease_or_slot_left(client, keys)
+    nothing_held(client, keys)
 
 
 def test_a_rollout_that_edits_its_row_leaves_the_dataset_as_it_was(keys, redis_url, tmp_path, client):
@@ -362,7 +334,7 @@ def test_a_rollout_that_edits_its_row_leaves_the_dataset_as_it_was(keys, redis_u
                 value.append("turn")
         return episodes
 
-    p = _producer(_cfg(keys, redis_url, tmp_path), client, rollout=edits)
+    p = make_producer(run_cfg(keys, redis_url, tmp_path), client, rollout=edits)
     original = copy.deepcopy(p.task.rows)
     assert p.step() == "published"
     assert p.task.rows == original, "a later epoch would see the edited row"

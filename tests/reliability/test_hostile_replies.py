@@ -13,12 +13,10 @@ import time
 
 import pytest
 from harness import report, run_config_in
+from producing import counters, make_producer, nothing_held, run_cfg
 
 from producers import rollout_service
-from producers.components import build
-from producers.producer import Producer
-from schemas import MetricsEvent, TrajectoryGroup, decode
-from streamer.config import RunConfig, replace
+from schemas import TrajectoryGroup, decode
 from streamer.rollout.contract import Episode, Segment, episodes
 
 
@@ -81,34 +79,6 @@ def _episode(*, tokens=(9, 5), logprobs=(-0.2, -0.1), version=0, reward=1.0) -> 
     return {"segments": [{"tokens": [3, 8]}, sampled], "reward": reward}
 
 
-def _cfg(keys, redis_url, tmp_path, **producer) -> RunConfig:
-    base = {"group_size": 2, "min_group_size": 2, "max_new_tokens": 2, "torch_threads": 1}
-    return replace(
-        RunConfig(),
-        run={"name": keys.run, "redis_url": redis_url, "data_dir": str(tmp_path)},
-        producer={**base, **producer},
-        trainer={"groups_per_step": 1000},
-    )
-
-
-def _producer(cfg, client, rollout=None) -> Producer:
-    task, sampler = build(cfg)
-    return Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler, rollout=rollout)
-
-
-def _counters(client, keys) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for _, f in client.xrange(keys.metrics):
-        for k, v in decode(f[b"d"], MetricsEvent).values.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
-def _nothing_held(client, keys) -> None:
-    assert client.zcard(keys.leases) == 0 and client.scard(keys.lease_slots) == 0, "a lease was left"
-    assert int(client.get(keys.admitted) or 0) == client.xlen(keys.traj), "an admission slot leaked"
-
-
 def _service(episode: dict) -> RawServer:
     return RawServer(lambda path, write, stop: write(_json_reply({"episodes": [episode, episode]})))
 
@@ -129,17 +99,17 @@ def test_a_hostile_field_from_a_rollout_service_drops_the_episodes_with_their_re
 ):
     client.set(keys.version, 3)  # the newest version the trainer published
     with _service(episode) as service:
-        p = _producer(_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
+        p = make_producer(run_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
         assert p.step() == "dropped", "the producer goes on"
-    assert _counters(client, keys)[f"episodes_dropped_{reason}"] == 2 and client.xlen(keys.traj) == 0
+    assert counters(client, keys)[f"episodes_dropped_{reason}"] == 2 and client.xlen(keys.traj) == 0
     assert says in caplog.text
-    _nothing_held(client, keys)
+    nothing_held(client, keys)
 
 
 def test_a_published_version_and_a_log_prob_rounded_above_zero_are_trained(keys, redis_url, tmp_path, client):
     client.set(keys.version, 3)
     with _service(_episode(version=3, logprobs=(-0.2, 5e-5))) as service:
-        p = _producer(_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
+        p = make_producer(run_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
         assert p.step() == "published"
     ((_, fields),) = client.xrange(keys.traj)
     group = decode(fields[b"d"], TrajectoryGroup)
@@ -164,10 +134,10 @@ def test_junk_from_a_rollout_function_drops_the_episodes_with_their_reason(
     async def junk(row, ctx, index):
         return episode
 
-    p = _producer(_cfg(keys, redis_url, tmp_path), client, rollout=junk)
+    p = make_producer(run_cfg(keys, redis_url, tmp_path), client, rollout=junk)
     assert p.step() == "dropped"
-    assert _counters(client, keys)[f"episodes_dropped_{reason}"] == 2
-    _nothing_held(client, keys)
+    assert counters(client, keys)[f"episodes_dropped_{reason}"] == 2
+    nothing_held(client, keys)
 
 
 def _engine(choice: dict) -> RawServer:
@@ -193,17 +163,17 @@ def test_a_hostile_engine_answer_drops_the_rollout_with_its_reason(
 ):
     lp = {"token_logprobs": choice.pop("lp", [-0.1, -0.2]), "tokens": choice.pop("tokens", [])}
     with _engine({"index": 0, "logprobs": lp, "finish_reason": "length", **choice}) as engine:
-        cfg = _cfg(keys, redis_url, tmp_path, sampler="remote", remote_url=engine.url, remote_retries=0)
-        p = _producer(cfg, client)
+        cfg = run_cfg(keys, redis_url, tmp_path, sampler="remote", remote_url=engine.url, remote_retries=0)
+        p = make_producer(cfg, client)
         assert p.step() in ("failed", "dropped"), "the producer goes on"
     p.trips.flush_metrics()
-    assert _counters(client, keys)[f"episodes_dropped_{reason}"] == 2 and client.xlen(keys.traj) == 0
+    assert counters(client, keys)[f"episodes_dropped_{reason}"] == 2 and client.xlen(keys.traj) == 0
     assert says in caplog.text
-    _nothing_held(client, keys)
+    nothing_held(client, keys)
 
 
 def _reason(client, keys) -> str:
-    (reason,) = [k for k, v in _counters(client, keys).items() if k.startswith("episodes_dropped_") and v]
+    (reason,) = [k for k, v in counters(client, keys).items() if k.startswith("episodes_dropped_") and v]
     return reason.removeprefix("episodes_dropped_")
 
 
@@ -232,8 +202,10 @@ def test_a_reply_larger_than_max_reply_bytes_drops_the_rollout(
         stop.wait(30)  # holds the connection open, as a stalled or huge sender would
 
     with RawServer(answer) as service:
-        cfg = _cfg(keys, redis_url, tmp_path, rollout=service.url, max_reply_bytes=65536, rollout_timeout=10)
-        p = _producer(cfg, client)
+        cfg = run_cfg(
+            keys, redis_url, tmp_path, rollout=service.url, max_reply_bytes=65536, rollout_timeout=10
+        )
+        p = make_producer(cfg, client)
         start = time.monotonic()
         assert p.step() == "failed"
         elapsed = time.monotonic() - start
@@ -241,7 +213,7 @@ def test_a_reply_larger_than_max_reply_bytes_drops_the_rollout(
     assert _reason(client, keys) == "malformed" and "max_reply_bytes = 65536" in caplog.text
     assert elapsed < 5, f"{elapsed:.1f}s: the reply was waited for, not refused"
     assert client.lrange(keys.requeue, 0, -1) == [b"0"], "the row is handed back"
-    _nothing_held(client, keys)
+    nothing_held(client, keys)
 
 
 def test_a_service_that_trickles_its_reply_is_cut_at_the_deadline(
@@ -257,7 +229,7 @@ def test_a_service_that_trickles_its_reply_is_cut_at_the_deadline(
 
     outcome: list[str] = []
     with RawServer(answer) as service:
-        p = _producer(_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
+        p = make_producer(run_cfg(keys, redis_url, tmp_path, rollout=service.url), client)
         start = time.monotonic()
         worker = threading.Thread(target=lambda: outcome.append(p.step()), daemon=True)
         worker.start()
@@ -267,7 +239,7 @@ def test_a_service_that_trickles_its_reply_is_cut_at_the_deadline(
     p.trips.flush_metrics()
     assert _reason(client, keys) == "timeout" and "no complete answer within" in caplog.text
     assert elapsed < 10, elapsed
-    _nothing_held(client, keys)
+    nothing_held(client, keys)
 
 
 @pytest.mark.slow
@@ -294,12 +266,12 @@ def test_a_producer_process_fed_hostile_replies_keeps_producing(procs, redis_url
         procs.start("producer", "produce", "--config", str(config), "--redis-url", redis_url)
         code = procs.wait("producer", 180)
     log = procs.log("producer")
-    counters = _counters(client, keys)
-    dropped = {k: v for k, v in counters.items() if k.startswith("episodes_dropped_") and v}
+    counted = counters(client, keys)
+    dropped = {k: v for k, v in counted.items() if k.startswith("episodes_dropped_") and v}
     report(
         "hostile-replies", exit=code, published=client.xlen(keys.traj), service_calls=next(calls), **dropped
     )
     assert code == 0 and "Traceback" not in log, log[-3000:]
     assert client.xlen(keys.traj) == 3
     for reason in ("bad_token", "malformed", "bad_logprob"):
-        assert counters.get(f"episodes_dropped_{reason}", 0) >= 2, (reason, dropped)
+        assert counted.get(f"episodes_dropped_{reason}", 0) >= 2, (reason, dropped)
