@@ -43,7 +43,7 @@ from producers.heartbeat import Heartbeat
 from producers.inflight import first_leaf, retrying
 from producers.outages import Outages, rollout_failure
 from producers.samplers import SamplerError
-from producers.stats import Pending, Timings, episode_values, group_values
+from producers.stats import Pending, episode_values, group_values
 from producers.transport import Transport
 from producers.trips import Outcome, Trips
 from schemas import TrajectoryGroup
@@ -274,9 +274,10 @@ class Producer:
             policy_version=min(s.version for pieces, _ in samples for s in pieces),  # the oldest turn
             created_at=created,
         )
-        timings = Timings(sample_seconds, admission_wait, 0.0)
         values = {
-            **group_values(group, failures=failures, current_version=0, timings=timings),
+            **group_values(
+                group, failures=failures, sample_seconds=sample_seconds, admission_wait_seconds=admission_wait
+            ),
             **episode_values([e for _, e in samples], seconds=sample_seconds, in_flight=self.in_flight),
         }
         return await self._publish(ticket, group, values)

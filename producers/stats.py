@@ -9,19 +9,11 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 
 from schemas import TrajectoryGroup
 from schemas.metric_names import ROLLOUT
-
-
-@dataclass(frozen=True, slots=True)
-class Timings:
-    sample_seconds: float
-    admission_wait_seconds: float
-    backpressure_wait_seconds: float
 
 
 class Pending:
@@ -61,9 +53,10 @@ class Pending:
 
 
 def group_values(
-    group: TrajectoryGroup, *, failures: int, current_version: int, timings: Timings
+    group: TrajectoryGroup, *, failures: int, sample_seconds: float, admission_wait_seconds: float
 ) -> dict[str, float]:
-    """The gauges and counters of one published group."""
+    """The gauges and counters of one published group (its version offset and the seconds
+    waited for room in the stream are the publish's to fill)."""
     rewards = _episode_rewards(group)
     lengths = [s.completion_len for s in group.samples]
     n = len(group.samples)
@@ -75,10 +68,8 @@ def group_values(
         "response_length_max": float(max(lengths)),
         "truncated_ratio": sum(s.finish_reason == "length" for s in group.samples) / n,
         "policy_version": float(group.policy_version),
-        "version_offset": float(max(0, current_version - group.policy_version)),
-        "sample_seconds": timings.sample_seconds,
-        "admission_wait_seconds": timings.admission_wait_seconds,
-        "backpressure_wait_seconds": timings.backpressure_wait_seconds,
+        "sample_seconds": sample_seconds,
+        "admission_wait_seconds": admission_wait_seconds,
         "groups": 1.0,
         "samples": float(n),
         "tokens": float(sum(lengths)),
