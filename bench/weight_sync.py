@@ -6,7 +6,7 @@ driven here without training: snapshot the weights, write them as a version dire
 with streamer.weights.write_version, XADD the WeightSync in one MULTI with the version
 key). The producers are real producer processes (producers.producer.Producer with its
 real WeightFollower, admission, leases and publishing) holding the real policy model:
-each new version is resolved (path inside weights_dir, sha256 checked) and loaded into
+each new version is resolved (path inside weights_dir, manifest's sha256 checked) and loaded into
 that model in place. By default their sampling is a fixed latency (``--sample-latency``,
 standing in for generation on an accelerator, which would not use these CPU cores);
 ``--real-sampling`` runs plain `streamer produce` with CPU generation instead.
@@ -17,10 +17,12 @@ load returns, with ``policy_version`` = the version loaded; its rollout metrics 
 load's duration (``weight_load_seconds``). Versions go out one at a time: the next only
 after every producer has loaded the last. Per version:
 
-    publish   step end (snapshot taken) -> WeightSync.at (files written and hashed, renamed
-              into place; not fsynced: checkpoints are the durable state)
+    publish   step end (snapshot taken) -> WeightSync.at (weights checked finite, files
+              written and hashed piece by piece on every core, renamed into place; not
+              fsynced: checkpoints are the durable state)
     notice    WeightSync.at -> the producer starts loading (finishes its current group)
-    load      manifest check (or sha256 with --verify full) + fit check + load into the model
+    load      manifest check (+ every piece re-hashed with --verify full) + fit check + load
+              into the model
               (weight_load_seconds)
     raw       safetensors save_file of the same tensors + load_file + load_state_dict into
               the model, in this process, after each version (median over all of a model's)
@@ -236,10 +238,10 @@ class Clock:
     in this process only (the producers' processes are untouched). Install once."""
 
     def __init__(self):
-        self.seconds = {"snapshot": 0.0, "save": 0.0, "sha256": 0.0, "fsync": 0.0}
+        self.seconds = {"snapshot": 0.0, "finite": 0.0, "save": 0.0, "fsync": 0.0}
         self._wrap(weights, "save", "save")  # serialise + write, hashing as it writes
         self._wrap(versions, "snapshot", "snapshot")
-        self._wrap(weights, "digest", "sha256")
+        self._wrap(weights, "first_non_finite", "finite")  # the writer's inf/NaN check
         self._wrap(disk, "fsync", "fsync")  # a version no longer pays it: 0 unless that changes
 
     def _wrap(self, owner, name: str, part: str) -> None:
@@ -424,7 +426,7 @@ def report(all_results: dict[str, dict], args) -> None:
                 [
                     name,
                     count,
-                    *(med[k] for k in ("publish", "snapshot", "save", "sha256", "fsync")),
+                    *(med[k] for k in ("publish", "snapshot", "finite", "save", "fsync")),
                     raw["raw_save"],
                     med["notice"],
                     med["load"],
@@ -471,8 +473,8 @@ def report(all_results: dict[str, dict], args) -> None:
             "producers",
             "publish",
             "snapshot",
+            "finite",
             "save",
-            "sha256",
             "fsync",
             "raw save",
             "notice",

@@ -1,10 +1,10 @@
-"""safetensors files written with their sha256 in one pass, and loaded with one copy.
+"""safetensors files written and hashed in one pass, and loaded with one copy.
 
 The format (https://huggingface.co/docs/safetensors) is an 8-byte little-endian header
 length, a JSON header ``{name: {dtype, shape, data_offsets}}`` padded to 8 bytes, then the
 raw tensor bytes. Writing it here rather than through ``save_pretrained`` lets the writer
-hash each tensor's bytes on a second thread while the first writes them (hashlib and file
-writes both release the GIL), instead of reading the file back to hash it afterwards.
+hash the bytes as it writes them, piece by piece on several threads (streamer/pieces.py),
+instead of reading the file back to hash it afterwards.
 Loading maps the file and copies each tensor straight into the model's parameter
 (``load_file`` + ``load_state_dict`` copy every byte twice). The reader checks the header
 (known dtypes, offsets inside the file, sizes that match the shapes) before touching data;
@@ -13,17 +13,15 @@ it never unpickles anything.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import mmap
-import queue
 import struct
-import threading
 from pathlib import Path
 
 import torch
 
+from streamer import pieces
 from streamer.errors import WeightsError
 
 DTYPES = {
@@ -40,11 +38,11 @@ DTYPES = {
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # as safetensors itself
-CHUNK = 1 << 24  # bytes per write/hash piece: large enough for both to release the GIL
 
 
 def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None):
-    """Write ``tensors`` to ``path`` as safetensors; returns (sha256 hex, bytes written)."""
+    """Write ``tensors`` to ``path`` as safetensors; (the sha256 hex of each of its pieces
+    (streamer/pieces.py), bytes written)."""
     blobs, header, offset = [], {}, 0
     for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
@@ -56,37 +54,13 @@ def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
             "shape": list(t.shape),
             "data_offsets": [offset, offset + len(raw)],
         }
-        blobs.append(memoryview(raw).cast("B") if len(raw) else b"")
+        blobs.append(raw)
         offset += len(raw)
     if metadata:
         header["__metadata__"] = metadata
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    pieces = [struct.pack("<Q", len(head)) + head]
-    for blob in blobs:
-        pieces += [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)]
-    return _write_hashing(path, pieces), 8 + len(head) + offset
-
-
-def _write_hashing(path: Path, pieces: list) -> str:
-    """Write ``pieces`` in order while a second thread hashes them; the sha256 hex."""
-    h, todo = hashlib.sha256(), queue.SimpleQueue()
-
-    def hasher() -> None:
-        while (piece := todo.get()) is not None:
-            h.update(piece)
-
-    thread = threading.Thread(target=hasher, name="weights-hash", daemon=True)
-    thread.start()
-    try:
-        with open(path, "wb") as f:
-            for piece in pieces:
-                todo.put(piece)
-                f.write(piece)
-    finally:
-        todo.put(None)
-        thread.join()
-    return h.hexdigest()
+    return pieces.write(path, [struct.pack("<Q", len(head)) + head, *blobs])
 
 
 def header(path: Path) -> tuple[dict, int]:

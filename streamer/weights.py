@@ -1,14 +1,19 @@
 """Policy weights on disk: safetensors in HF layout, one directory per version.
 
 The trainer writes ``{root}/v{version:08d}/`` (model.safetensors + config.json and a
-manifest.json of per-file sha256 digests, hashed while writing) into a temporary directory
-and renames it into place, so a reader never sees half a version. A version is not fsynced
+manifest.json) into a temporary directory and renames it into place, so a reader never
+sees half a version. The manifest lists every file's size and the sha256 of each of its
+16 MiB pieces (streamer/pieces.py: hashed while written, on several cores), and the
+version's announcement (:class:`schemas.WeightSync`) carries the sha256 of the manifest:
+one SHA-256 of every byte in a row would take a core longer than writing them.
+
+Readers accept only ``file://`` URIs inside the configured root whose manifest hashes to
+the announced sha256, with every file there at its listed size; ``verify="full"`` also
+re-hashes every piece (weights that crossed untrusted storage). A version is not fsynced
 (checkpoints are the durable state; after a crash the trainer publishes its checkpoint
-again under a new number), so a manifest written before this machine's last reboot is not
-trusted: that directory is hashed in full. Readers accept only
-``file://`` URIs inside the configured root whose sha256 matches: by the manifest on the
-same filesystem (no re-read of the bytes), or by hashing every byte (``verify="full"``).
-No pickle: nothing here calls ``torch.load``.
+again under a new number), so a manifest written before this machine's last reboot does not
+vouch for the bytes: that directory is re-hashed in full. No pickle: nothing here calls
+``torch.load``.
 """
 
 from __future__ import annotations
@@ -23,15 +28,15 @@ import urllib.parse
 from pathlib import Path
 
 from schemas import WeightSync
-from streamer import tensorfile
+from streamer import pieces, tensorfile
 from streamer.disk import atomic_dir, fsync, numbered, remove_unfinished, writing  # noqa: F401 (importable from here too)
 from streamer.errors import WeightsError
 
 _PREFIX = "v"
 _NAME = re.compile(rf"^{_PREFIX}(\d+)$")  # a version directory's name
 WEIGHTS_FILE = "model.safetensors"
-MANIFEST = "manifest.json"  # the writer's per-file sha256 and sizes
-MANIFEST_FORMAT = 1
+MANIFEST = "manifest.json"  # every file's size and pieces' sha256; announced by its own sha256
+MANIFEST_FORMAT = 2  # 1: per-file sha256, announced by the sha256 of the safetensors bytes
 VERIFY_MODES = ("manifest", "full")
 
 
@@ -39,26 +44,12 @@ def version_dir(root: Path, version: int) -> Path:
     return Path(root) / f"{_PREFIX}{version:08d}"
 
 
-def digest(directory: Path) -> str:
-    """sha256 over the directory's *.safetensors files, in name order."""
-    h = hashlib.sha256()
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"no .safetensors files in {directory}")
-    for f in files:
-        _hash_into(h, f)
-    return h.hexdigest()
-
-
 def sha256_file(path: Path) -> str:
-    return _hash_into(hashlib.sha256(), path).hexdigest()
-
-
-def _hash_into(h, path: Path):
+    h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 22):
             h.update(chunk)
-    return h
+    return h.hexdigest()
 
 
 class WeightsCopy:
@@ -89,23 +80,21 @@ class WeightsCopy:
 
 def write_version(model, root: Path, version: int, *, dtype=None, untie: bool = False) -> tuple[str, str]:
     """Save ``model`` (a transformers PreTrainedModel, or a :class:`WeightsCopy` of one) as
-    version ``version``; (uri, sha256 of its safetensors). ``dtype``: floating tensors are
+    version ``version``; (uri, sha256 of its manifest). ``dtype``: floating tensors are
     written in it (the samplers' ``model.dtype``); ``untie``: see :func:`save`.
 
-    The bytes are hashed as they are written and the per-file digests go into
+    The bytes are hashed as they are written and every file's pieces go into
     ``manifest.json``; the directory appears under its final name only once complete.
     """
     root = Path(root).resolve()
     final = version_dir(root, version)
     with atomic_dir(root, final.name, what=f"policy version {version}", durable=False) as tmp:
-        files = save(model, tmp, dtype=dtype, untie=untie)
-        (sha,) = [f["sha256"] for n, f in files.items() if n.endswith(".safetensors")]  # = digest()
-        _write_manifest(tmp, version, sha, files)
+        sha = _write_manifest(tmp, version, save(model, tmp, dtype=dtype, untie=untie))
     return final.as_uri(), sha
 
 
 def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str, dict]:
-    """model.safetensors (HF layout, tied tensors once) + config files; {file: {sha256, bytes}}.
+    """model.safetensors (HF layout, tied tensors once) + config files; {file: {bytes, pieces}}.
 
     ``dtype``: floating tensors are cast to it. ``untie``: a model with tied input and output
     embeddings is written untied (``lm_head.weight`` stored, ``tie_word_embeddings`` false),
@@ -119,9 +108,7 @@ def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str
     base = getattr(model, "model", model) if isinstance(state, dict) else model
     if isinstance(base, lora.AdapterView):
         base.save_pretrained(directory, state_dict=state)
-        return {
-            f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size} for f in sorted(directory.iterdir())
-        }
+        return {f.name: _listed(f) for f in sorted(directory.iterdir())}
     tied = tied_keys(base)
     state = state if isinstance(state, dict) else base.state_dict()
     tensors = _unaliased(state, set() if untie else tied)
@@ -129,7 +116,7 @@ def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str
         tensors = {k: t.clone() if k in tied else t for k, t in tensors.items()}
     if dtype is not None:
         tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
-    sha, size = tensorfile.write(directory / WEIGHTS_FILE, tensors, {"format": "pt"})
+    hashes, size = tensorfile.write(directory / WEIGHTS_FILE, tensors, {"format": "pt"})
     config = base.config
     if untie and tied:
         config = copy.deepcopy(config)
@@ -141,10 +128,14 @@ def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str
     generation = getattr(base, "generation_config", None)
     if generation is not None and base.can_generate():
         generation.to_json_file(directory / "generation_config.json")
-    files = {WEIGHTS_FILE: {"sha256": sha, "bytes": size}}
+    files = {WEIGHTS_FILE: {"bytes": size, "pieces": hashes}}
     for f in sorted(directory.glob("*.json")):
-        files[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+        files[f.name] = _listed(f)
     return files
+
+
+def _listed(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "pieces": pieces.of_file(path)}
 
 
 def first_non_finite(state: dict) -> str | None:
@@ -167,10 +158,13 @@ def _unaliased(state: dict, tied: set[str]) -> dict:
     return {n: t for n, t in state.items() if n in keep}
 
 
-def _write_manifest(directory: Path, version: int, digest_: str, files: dict) -> None:
-    doc = {"format": MANIFEST_FORMAT, "version": version, "sha256": digest_, "files": files}
+def _write_manifest(directory: Path, version: int, files: dict) -> str:
+    """Write the manifest of ``files`` ({name: {bytes, pieces}}); its sha256 hex."""
+    doc = {"format": MANIFEST_FORMAT, "version": version, "piece_bytes": pieces.PIECE, "files": files}
     doc["written_by"] = this_boot()
-    (directory / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True))
+    raw = json.dumps(doc, indent=1, sort_keys=True).encode()
+    (directory / MANIFEST).write_bytes(raw)
+    return hashlib.sha256(raw).hexdigest()
 
 
 def this_boot() -> dict[str, str]:
@@ -185,50 +179,85 @@ def this_boot() -> dict[str, str]:
     return {"host": socket.gethostname(), "boot_id": boot_id}
 
 
-def _written_before_a_reboot(doc: dict) -> bool:
-    """Whether the manifest was written on this machine before it last booted: the version's
-    bytes may have been lost with the page cache, and its sizes prove nothing."""
-    by = doc.get("written_by")
+def _written_before_a_reboot(manifest: dict) -> bool:
+    """Whether the manifest was written on this machine before it last booted (or does not
+    say where): the version's bytes may have been lost with the page cache, and its sizes
+    prove nothing."""
+    by = manifest.get("written_by")
     if not isinstance(by, dict):
-        return False  # written durably (fsynced), before manifests named their writer
+        return True
     here = this_boot()
     return by.get("host") == here["host"] and by.get("boot_id") != here["boot_id"]
 
 
-def check_manifest(path: Path, sha256: str) -> bool:
-    """Whether ``path``'s manifest names ``sha256`` and every file is there at its size.
-
-    For a directory written by :func:`write_version` on this filesystem: it appears only
-    complete (atomic rename), so the trainer's digests in the manifest stand for the bytes.
-    False when there is no manifest, or when this machine has rebooted since it was written
-    (the bytes, never fsynced, may be lost): then the caller hashes. Raises WeightsError on
-    a mismatch.
-    """
+def read_manifest(path: Path, sha256: str) -> dict:
+    """``path``'s manifest, once its bytes hash to ``sha256`` (the announced one) and it is
+    this build's format: {"files": {name: (bytes, [piece sha256])}, "piece": bytes a piece,
+    "written_by": ...}. Raises WeightsError."""
     try:
         raw = (path / MANIFEST).read_bytes()
-    except FileNotFoundError:
-        return False
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read {MANIFEST} ({e.strerror})") from None
     try:
         doc = json.loads(raw)
-        files = {str(k): int(v["bytes"]) for k, v in doc["files"].items()}
-        named = str(doc["sha256"])
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except ValueError:
+        doc = None
+    form = doc.get("format") if isinstance(doc, dict) else None
+    if form is not None and form != MANIFEST_FORMAT:  # another build's trainer wrote it
+        raise WeightsError(
+            f"{path}: {MANIFEST} is format {form!r}, this build reads {MANIFEST_FORMAT}: "
+            "run the same streamer in the trainer and every reader"
+        )
+    if (actual := hashlib.sha256(raw).hexdigest()) != sha256:
+        raise WeightsError(f"sha256 mismatch ({MANIFEST} hashes to {actual[:12]}..., not {sha256[:12]}...)")
+    try:
+        piece = int(doc["piece_bytes"])
+        files = {str(k): (int(v["bytes"]), [str(h) for h in v["pieces"]]) for k, v in doc["files"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
         raise WeightsError(f"{path}: unreadable {MANIFEST}") from None
-    if _written_before_a_reboot(doc):
-        return False  # the caller hashes every byte
-    if named != sha256:
-        raise WeightsError(f"sha256 mismatch ({named[:12]}... in {MANIFEST} != {sha256[:12]}...)")
+    for name, (size, hashes) in files.items():
+        if piece <= 0 or "/" in name or name in ("", ".", "..") or len(hashes) != -(-size // piece):
+            raise WeightsError(f"{path}: unreadable {MANIFEST} (entry {name!r})")
+    return {"files": files, "piece": piece, "written_by": doc.get("written_by")}
+
+
+def check_files(path: Path, manifest: dict, *, hashed: bool) -> None:
+    """WeightsError unless every file of ``manifest`` is in ``path`` at its size, and no other
+    safetensors file; ``hashed``: and every piece hashes to its listed sha256."""
+    files = manifest["files"]
     on_disk = {f.name for f in path.glob("*.safetensors")}
     listed = {f for f in files if f.endswith(".safetensors")}
-    if on_disk != listed:
+    if on_disk != listed or not listed:
         raise WeightsError(f"{path}: safetensors files {sorted(on_disk)} != {MANIFEST}'s {sorted(listed)}")
-    for name, size in files.items():
+    for name, (size, _) in files.items():
         try:
             actual = (path / name).stat().st_size
         except OSError:
             actual = -1
         if actual != size:
             raise WeightsError(f"{path}/{name}: {actual} bytes, {MANIFEST} says {size}")
+    if not hashed:
+        return
+    piece = manifest["piece"]
+    for name, (size, hashes) in files.items():
+        for k, (got, want) in enumerate(zip(pieces.of_file(path / name, piece), hashes)):
+            if got != want:
+                end = min(size, (k + 1) * piece)
+                raise WeightsError(f"{path}/{name}: sha256 mismatch in bytes {k * piece}-{end}")
+
+
+def check_manifest(path: Path, sha256: str) -> bool:
+    """Whether ``path``'s manifest vouches for its files: it hashes to ``sha256`` and every
+    file is there at its listed size. For a directory written by :func:`write_version` on
+    this filesystem: it appears only complete (atomic rename), so the pieces hashed while
+    writing stand for the bytes. False when this machine has rebooted since it was written
+    (the bytes, never fsynced, may be lost): then the caller re-hashes them. Raises
+    WeightsError on a mismatch.
+    """
+    manifest = read_manifest(path, sha256)
+    if _written_before_a_reboot(manifest):
+        return False
+    check_files(path, manifest, hashed=False)
     return True
 
 
@@ -251,10 +280,10 @@ def prune(root: Path, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
 def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True, verify: str = "manifest") -> Path:
     """The local directory of ``sync``'s weights, refusing anything outside ``root``.
 
-    ``verify="manifest"`` trusts the writer's per-file digests in the directory's manifest
-    (the same filesystem, the directory renamed into place complete) after checking that it
-    names ``sync.sha256`` and every file's size; ``"full"`` re-hashes every byte (weights
-    that crossed untrusted storage). A directory without a manifest is always hashed.
+    ``verify="manifest"``: the directory's manifest must hash to ``sync.sha256`` and list
+    every file at its size (:func:`check_manifest`; the pieces were hashed as they were
+    written, on this filesystem); ``"full"`` also re-hashes every piece (weights that crossed
+    untrusted storage), as does a manifest written before this machine's last reboot.
     """
     parts = urllib.parse.urlsplit(sync.uri)
     if parts.scheme != "file":
@@ -272,12 +301,9 @@ def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True, verify: str
     try:
         if verify == "manifest" and check_manifest(path, sync.sha256):
             return path
+        check_files(path, read_manifest(path, sync.sha256), hashed=True)
     except WeightsError as e:
         raise WeightsError(f"version {sync.version}: {e}") from None
-    if (actual := digest(path)) != sync.sha256:
-        raise WeightsError(
-            f"version {sync.version}: sha256 mismatch ({actual[:12]}... != {sync.sha256[:12]}...)"
-        )
     return path
 
 

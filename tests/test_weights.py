@@ -1,8 +1,10 @@
-"""Policy weights on disk: hashed while written, verified by manifest or by every byte,
-loaded with one copy into the model; bad files are refused before anything changes."""
+"""Policy weights on disk: hashed piece by piece while written, announced by the sha256 of
+their manifest, verified by it or by every piece, loaded with one copy into the model; bad
+files are refused before anything changes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from schemas import WeightSync
-from streamer import demo, tensorfile, weights
+from streamer import demo, pieces, tensorfile, weights
 from streamer.errors import WeightsError
 
 
@@ -22,10 +24,11 @@ def test_written_version_loads_back_exactly_and_its_manifest_matches_a_full_hash
     src, dst = demo.build_model(seed=1), demo.build_model(seed=2)
     uri, sha = weights.write_version(src, tmp_path, 1)
     path = weights.version_dir(tmp_path, 1)
+    assert sha == hashlib.sha256((path / weights.MANIFEST).read_bytes()).hexdigest()
     manifest = json.loads((path / weights.MANIFEST).read_text())
-    assert sha == weights.digest(path) == manifest["sha256"]
-    assert manifest["files"]["model.safetensors"]["sha256"] == weights.sha256_file(path / "model.safetensors")
     assert {"config.json", "model.safetensors"} <= manifest["files"].keys()
+    for name, listed in manifest["files"].items():
+        assert listed == {"bytes": (path / name).stat().st_size, "pieces": _pieces(path / name)}
     for mode in ("manifest", "full"):
         assert weights.resolve(_sync(uri, sha), tmp_path, verify=mode) == path
     weights.load_into(dst, path)
@@ -34,6 +37,23 @@ def test_written_version_loads_back_exactly_and_its_manifest_matches_a_full_hash
     from safetensors.torch import load_file  # the file is plain safetensors for any reader
 
     assert load_file(path / "model.safetensors").keys() <= src.state_dict().keys()
+
+
+def _pieces(path, piece: int = pieces.PIECE) -> list[str]:
+    """The definition, one piece after the other: the sha256 of each ``piece`` bytes."""
+    data = path.read_bytes()
+    return [hashlib.sha256(data[i : i + piece]).hexdigest() for i in range(0, len(data), piece)]
+
+
+def test_pieces_written_on_several_threads_are_the_bytes_and_their_hashes(tmp_path, monkeypatch):
+    monkeypatch.setattr(pieces, "PIECE", 1000)  # many pieces, cut inside and across buffers
+    monkeypatch.setattr(pieces, "THREADS", 3)
+    buffers = [b"h" * 10, bytes(range(256)) * 9, b"", torch.randn(700).numpy(), b"t" * 1000]
+    hashes, size = pieces.write(tmp_path / "f", buffers)
+    data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+    assert (tmp_path / "f").read_bytes() == data and size == len(data) == 6114
+    assert hashes == _pieces(tmp_path / "f", 1000) == pieces.of_file(tmp_path / "f", 1000)
+    assert len(hashes) == 7 and pieces.write(tmp_path / "empty", []) == ([], 0)
 
 
 def test_manifest_mode_refuses_a_wrong_sha_or_a_truncated_file_and_full_mode_a_flipped_byte(tmp_path):
@@ -50,13 +70,39 @@ def test_manifest_mode_refuses_a_wrong_sha_or_a_truncated_file_and_full_mode_a_f
     (path / "model.safetensors").write_bytes(bytes(data[:-4]))
     with pytest.raises(WeightsError, match="bytes, manifest.json says"):
         weights.resolve(_sync(uri, sha), tmp_path)
-    (path / weights.MANIFEST).unlink()  # no manifest: always hashed
-    with pytest.raises(WeightsError, match="sha256 mismatch"):
-        weights.resolve(_sync(uri, sha), tmp_path, verify="manifest")
+    manifest = json.loads((path / weights.MANIFEST).read_text())
+    manifest["files"]["model.safetensors"]["bytes"] -= 4  # the manifest made to fit: its hash changes
+    (path / weights.MANIFEST).write_text(json.dumps(manifest))
+    for mode in weights.VERIFY_MODES:
+        with pytest.raises(WeightsError, match="sha256 mismatch"):
+            weights.resolve(_sync(uri, sha), tmp_path, verify=mode)
+    (path / weights.MANIFEST).unlink()  # nothing to check the bytes against
+    with pytest.raises(WeightsError, match="cannot read manifest.json"):
+        weights.resolve(_sync(uri, sha), tmp_path, verify="full")
+
+
+def test_full_mode_finds_a_changed_byte_in_any_piece_and_an_older_manifest_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(pieces, "PIECE", 4096)
+    uri, sha = weights.write_version(demo.build_model(seed=1), tmp_path, 1)
+    path = weights.version_dir(tmp_path, 1)
+    original = (path / "model.safetensors").read_bytes()
+    assert len(original) > 20 * 4096
+    for at in (5, 4096 * 7 + 11, len(original) - 1):
+        data = bytearray(original)
+        data[at] ^= 0x01
+        (path / "model.safetensors").write_bytes(bytes(data))
+        piece = at // 4096 * 4096
+        with pytest.raises(WeightsError, match=f"sha256 mismatch in bytes {piece}-"):
+            weights.resolve(_sync(uri, sha), tmp_path, verify="full")
+    # an older trainer's manifest (per-file sha256, announced by the safetensors' sha256)
+    old = {"format": 1, "version": 1, "sha256": "a" * 64, "files": {}}
+    (path / weights.MANIFEST).write_text(json.dumps(old))
+    with pytest.raises(WeightsError, match="format 1, this build reads 2"):
+        weights.resolve(_sync(uri, "a" * 64), tmp_path)
 
 
 def test_a_version_written_on_this_machine_before_its_last_boot_is_hashed_in_full(tmp_path):
-    uri, sha = weights.write_version(demo.build_model(seed=1), tmp_path, 1)
+    uri, _ = weights.write_version(demo.build_model(seed=1), tmp_path, 1)
     path = weights.version_dir(tmp_path, 1)
     data = bytearray((path / "model.safetensors").read_bytes())
     data[-1] ^= 0xFF  # the sizes survive, the bytes do not: what a lost page cache can leave
@@ -64,16 +110,20 @@ def test_a_version_written_on_this_machine_before_its_last_boot_is_hashed_in_ful
     manifest = json.loads((path / weights.MANIFEST).read_text())
     assert manifest["written_by"] == weights.this_boot()
 
-    def written_by(**by) -> None:
-        manifest["written_by"] = {**weights.this_boot(), **by}
+    def written_by(by: dict | None) -> WeightSync:
+        """The version as if its manifest said it was written ``by`` (None: not saying),
+        announced by the sha256 of that manifest."""
+        manifest.pop("written_by", None)
+        if by is not None:
+            manifest["written_by"] = {**weights.this_boot(), **by}
         (path / weights.MANIFEST).write_text(json.dumps(manifest))
+        return _sync(uri, hashlib.sha256((path / weights.MANIFEST).read_bytes()).hexdigest())
 
-    written_by(boot_id="an-earlier-boot")
-    with pytest.raises(WeightsError, match="sha256 mismatch"):
-        weights.resolve(_sync(uri, sha), tmp_path, verify="manifest")
+    for by in ({"boot_id": "an-earlier-boot"}, None):
+        with pytest.raises(WeightsError, match="sha256 mismatch in bytes"):
+            weights.resolve(written_by(by), tmp_path, verify="manifest")
     # another machine's boot says nothing about this one's page cache: the manifest stands
-    written_by(host="another-host", boot_id="its-boot")
-    assert weights.resolve(_sync(uri, sha), tmp_path, verify="manifest") == path
+    assert weights.resolve(written_by({"host": "another-host", "boot_id": "its-boot"}), tmp_path) == path
 
 
 def test_tensorfile_round_trips_dtypes_and_refuses_bad_headers(tmp_path):
@@ -85,7 +135,7 @@ def test_tensorfile_round_trips_dtypes_and_refuses_bad_headers(tmp_path):
     }
     sha, size = tensorfile.write(tmp_path / "t.safetensors", tensors, {"format": "pt"})
     assert size == (tmp_path / "t.safetensors").stat().st_size
-    assert sha == weights.sha256_file(tmp_path / "t.safetensors")
+    assert sha == _pieces(tmp_path / "t.safetensors")
     params = {k: torch.zeros_like(v) for k, v in tensors.items()}
     assert tensorfile.load_into(params, tmp_path / "t.safetensors") == set(tensors)
     assert all(torch.equal(params[k], tensors[k]) for k in tensors)

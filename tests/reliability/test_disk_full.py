@@ -29,6 +29,7 @@ from streamer import demo, weights
 from streamer.bus import entry_event, unacked
 from streamer.config import TrainerSection
 from streamer.connection import connect
+from streamer.errors import WeightsError
 from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow
@@ -90,7 +91,9 @@ def _state(ckpt_dir, weights_dir, client, keys) -> dict:
     for d in weights_dir.iterdir():
         if d.name.startswith("v"):
             v = int(d.name[1:])
-            if v not in syncs or weights.digest(d) != syncs[v].sha256:
+            try:
+                weights.resolve(syncs[v], weights_dir, verify="full")
+            except (KeyError, WeightsError):
                 bad_versions.append(d.name)
     temps = [n for n in names if n.startswith(".tmp")] + [p.name for p in weights_dir.glob(".tmp*")]
     return {"complete": complete, "corrupt": corrupt, "bad_versions": bad_versions, "temp_dirs": temps}

@@ -1,0 +1,92 @@
+"""A file's hash list: the sha256 of each consecutive :data:`PIECE` bytes, on several cores.
+
+One SHA-256 stream runs on one core (0.22 s for the 390 MB of a ~100M-parameter version on
+the development VM, longer than writing those bytes), but the pieces of a file are
+independent: :func:`write` writes and hashes them on :data:`THREADS` threads, each piece
+written and then hashed a slice at a time while the slice is still in cache, and
+:func:`of_file` re-hashes a file the same way (hashlib, ``os.pwrite`` and file reads all
+release the GIL). A policy version's manifest lists every file's pieces, and its
+announcement carries the sha256 of the manifest: a hash list one level deep, as a
+BitTorrent metainfo's (streamer/weights.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+PIECE = 1 << 24  # bytes a piece (the last one of a file may be shorter)
+THREADS = max(1, min(8, len(os.sched_getaffinity(0))))  # hashing threads of one call
+_SLICE = 1 << 20  # written, then hashed while still in cache
+
+
+def write(path: Path, buffers: Sequence) -> tuple[list[str], int]:
+    """Write ``buffers`` (bytes-like, in order) as the file ``path``; (the sha256 hex of
+    each piece, bytes written)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    plan, size = _pieces(views), sum(len(v) for v in views)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+
+        def one(parts: list[tuple[int, memoryview]]) -> str:
+            h = hashlib.sha256()
+            for offset, view in parts:
+                for i in range(0, len(view), _SLICE):
+                    piece = view[i : i + _SLICE]
+                    _pwrite(fd, piece, offset + i)
+                    h.update(piece)
+            return h.hexdigest()
+
+        return _map(one, plan), size
+    finally:
+        os.close(fd)
+
+
+def of_file(path: Path, piece: int = PIECE) -> list[str]:
+    """The sha256 hex of each ``piece`` bytes of the file at ``path``."""
+    size = Path(path).stat().st_size
+
+    def one(start: int) -> str:
+        h, buf = hashlib.sha256(), bytearray(min(_SLICE, piece))
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            left = min(piece, size - start)
+            while left > 0 and (n := f.readinto(view[: min(left, len(buf))])):
+                h.update(view[:n])
+                left -= n
+        return h.hexdigest()
+
+    return _map(one, range(0, size, piece))
+
+
+def _pieces(views: list[memoryview]) -> list[list[tuple[int, memoryview]]]:
+    """The buffers cut at every multiple of PIECE of the file: per piece, (file offset, bytes)."""
+    plan: list[list[tuple[int, memoryview]]] = []
+    offset = 0
+    for view in views:
+        i = 0
+        while i < len(view):
+            if offset % PIECE == 0:
+                plan.append([])
+            n = min(len(view) - i, PIECE - offset % PIECE)
+            plan[-1].append((offset, view[i : i + n]))
+            i, offset = i + n, offset + n
+    return plan
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _map(fn: Callable, items) -> list:
+    items = list(items)
+    if len(items) <= 1 or THREADS == 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(THREADS, len(items)), thread_name_prefix="pieces") as pool:
+        return list(pool.map(fn, items))
