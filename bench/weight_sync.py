@@ -73,6 +73,7 @@ from streamer.keys import Keys
 
 GOAL = 1.5
 WAIT = 120.0  # seconds any one wait may take before the bench gives up loudly
+START = 600.0  # ... except for producers to start (torch and the model: minutes on a busy machine)
 
 
 # ---------------------------------------------------------------- models
@@ -208,9 +209,9 @@ class Loads:
                 pid = e.source.removeprefix("producer-")
                 self.load_events.setdefault(pid, []).append((e.at, e.values["weight_load_seconds"]))
 
-    def wait(self, producers: list[str], version: int, procs) -> None:
+    def wait(self, producers: list[str], version: int, procs, *, timeout: float = WAIT) -> None:
         """Until every producer has published a group sampled with ``version``."""
-        deadline = time.monotonic() + WAIT
+        deadline = time.monotonic() + timeout
         while any((p, version) not in self.loaded for p in producers):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 missing = [p for p in producers if (p, version) not in self.loaded]
@@ -364,7 +365,7 @@ def measure(
             new = [f"p{i}" for i in range(len(producers), count)]
             procs += [spawn(config, p, args) for p in new]
             producers += new
-            loads.wait(producers, version, procs)  # all up and sampling with the newest version
+            loads.wait(producers, version, procs, timeout=START)  # all up, sampling the newest version
             for i in range(args.warmup + args.versions):
                 version += 1
                 res = one_version(

@@ -2,11 +2,11 @@
 
 The newest entry of ``…:policy`` is the current policy. Before each group the producer
 asks :meth:`WeightFollower.update` to load it if it is newer than what the sampler has:
-the uri must lie inside ``weights_dir`` and the sha256 must match
-(:func:`streamer.weights.resolve`: by the trainer's manifest, or every byte re-hashed with
-``weights.verify = "full"``), then the sampler loads it (in place for a local
-model; a reload request for a server). Floating tensors are cast to the sampler's
-dtype; a tensor holding inf or NaN is refused before anything is copied.
+the uri must lie inside ``weights_dir`` and the directory's manifest must hash to the
+announced sha256 and list every file at its size (:func:`streamer.weights.resolve`; with
+``weights.verify = "full"`` every piece is re-hashed too), then the sampler loads it (in
+place for a local model; a reload request for a server). Floating tensors are cast to the
+sampler's dtype; a tensor holding inf or NaN is refused before anything is copied.
 
 A version that cannot be loaded is logged, counted and reported (streamer/problems.py);
 it is tried again after a short backoff, or a newer version instead. Meanwhile sampling
