@@ -20,9 +20,11 @@ parts miss at most the last 0.25 s of each process).
     python bench/cpu_per_version.py               # 100 steps each side (~1.5 min here)
     python bench/cpu_per_version.py --steps 500   # the demo's length (~5 min)
     python bench/cpu_per_version.py --quick       # smoke run (10 steps)
-    python bench/cpu_per_version.py --hidden 256 --layers 4   # a wider, deeper demo model
+    python bench/cpu_per_version.py --model-size 2.4M --steps 500   # where sampling is the work
+    python bench/cpu_per_version.py --hidden 256 --layers 4   # any wider, deeper demo model
 
-With ``--hidden``/``--layers`` both sides use a demo model of that size (the demo's
+With ``--model-size`` (2.4M = 256 x 4, 298k = 128 x 2) or ``--hidden``/``--layers``
+both sides use a demo model of that size (the demo's
 tokenizer, task and settings; written once to the work directory), to show how the
 system's overhead, fixed per group and per version, weighs against more compute per token.
 """
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C
 
 GOAL = 1.2
+SIZES = {"298k": (128, 2), "2.4M": (256, 4)}  # --model-size: (hidden, layers) of the demo model
 TICK = os.sysconf("SC_CLK_TCK")
 ROLE = re.compile(r" -m streamer (?:--log-level \S+ )?(\w+)")
 
@@ -248,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="10 steps")
     ap.add_argument("--hidden", type=int, help="hidden size of the demo model (default: the demo's)")
     ap.add_argument("--layers", type=int, default=2, help="layers of the demo model, with --hidden")
+    ap.add_argument(
+        "--model-size", choices=SIZES, help="a named demo model size instead of --hidden/--layers"
+    )
     ap.add_argument("--bare-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -255,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         return bare_child(args.bare_child, args.config)
     if args.quick:
         args.steps = 10
+    if args.model_size:
+        args.hidden, args.layers = SIZES[args.model_size]
     with tempfile.TemporaryDirectory(prefix="streamer-cpu-") as tmp:
         config = model_config_file(args.hidden, args.layers, Path(tmp)) if args.hidden else None
         bare = bare_side(args.steps, config)
