@@ -11,11 +11,11 @@ that model in place. By default their sampling is a fixed latency (``--sample-la
 standing in for generation on an accelerator, which would not use these CPU cores);
 ``--real-sampling`` runs plain `streamer produce` with CPU generation instead.
 
-When each producer has loaded a version is read off the stream, exactly: a producer
-loads before its next group, and that group's ``created_at`` is stamped right after the
-load returns, with ``policy_version`` = the version loaded; its rollout metrics carry the
-load's duration (``weight_load_seconds``). Versions go out one at a time: the next only
-after every producer has loaded the last. Per version:
+When each producer has loaded a version is recorded by the producer itself, exactly: in
+its process the bench wraps the real ``WeightFollower.load``, and when a load succeeds it
+adds (producer, version, the time it returned, its duration) to a stream of the bench's
+(a producer loads before the first sample of its next group). Versions go out one at a
+time: the next only after every producer has loaded the last. Per version:
 
     publish   step end (snapshot taken) -> WeightSync.at (weights checked finite, files
               written and hashed piece by piece on every core, renamed into place; not
@@ -64,10 +64,10 @@ import torch
 from consumers import versions
 from consumers.versions import VersionPublisher
 from producers.samplers import Completion
-from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode
+from schemas import WeightSync
 from streamer import demo, disk, weights
 from streamer.admission import Admission
-from streamer.bus import FIELD, as_str, entry_event
+from streamer.bus import as_str, entry_event
 from streamer.connection import connect
 from streamer.keys import Keys
 
@@ -101,6 +101,10 @@ def build(kind: str, workdir: Path, args) -> tuple[torch.nn.Module, str]:
 # ---------------------------------------------------------------- the producer processes
 
 
+def loaded_key(keys: Keys) -> str:
+    return f"{keys.prefix}:bench-loaded"  # the bench's: (producer, version, at, seconds) per load
+
+
 class PacedSampler:
     """The producer's local policy model for loading; sampling is a fixed latency."""
 
@@ -121,9 +125,11 @@ class PacedSampler:
 
 def producer_child(config: str, producer_id: str, latency: float, *, verify: str) -> int:
     """A producer process: the real Producer loop with a PacedSampler around its model
+    (``latency`` < 0: its real sampler), every successful load recorded on loaded_key
     (``verify="none"``: the what-if of loading without any sha256 check; "manifest" and
     "full" are the config's ``weights.verify``, written into the config)."""
     from producers.components import build as build_parts
+    from producers.follow import WeightFollower
     from producers.producer import Producer
     from streamer.config import load_config
 
@@ -132,10 +138,22 @@ def producer_child(config: str, producer_id: str, latency: float, *, verify: str
         weights.resolve = functools.partial(weights.resolve, check_sha=False)
     cfg = demo.config() if config is None else load_config(config)
     client = connect(cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name=producer_id)
+    load, stream = WeightFollower.load, loaded_key(Keys(cfg.run.name))
+
+    def record(version: int, took: float) -> None:
+        client.xadd(stream, {"p": producer_id, "v": version, "at": time.time(), "s": took})
+
+    def recorded(follower, sync) -> bool:
+        if not load(follower, sync):
+            return False
+        record(follower.version, follower.last_load_seconds)
+        return True
+
+    WeightFollower.load = recorded
     task, sampler = build_parts(cfg)
-    producer = Producer(
-        cfg, client=client, producer_id=producer_id, task=task, sampler=PacedSampler(sampler, latency=latency)
-    )
+    sampler = PacedSampler(sampler, latency=latency) if latency >= 0 else sampler
+    producer = Producer(cfg, client=client, producer_id=producer_id, task=task, sampler=sampler)
+    record(producer.follower.version, 0.0)  # the weights it starts with: up and about to sample
     signal.signal(signal.SIGTERM, lambda *_: producer.stop.set())
     try:
         return producer.run()
@@ -171,10 +189,9 @@ def write_config(
 
 def spawn(config: Path, producer_id: str, args) -> subprocess.Popen:
     log = config.parent / f"{producer_id}.log"
-    if args.real_sampling:
-        return C.spawn_role("produce", config, "--id", producer_id, log=log, threads=1)
     env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [__file__, "--producer-child", str(config), producer_id, str(args.sample_latency), args.verify]
+    latency = -1.0 if args.real_sampling else args.sample_latency
+    cmd = [__file__, "--producer-child", str(config), producer_id, str(latency), args.verify]
     with open(log, "ab") as fh:
         return subprocess.Popen([sys.executable, *cmd], cwd=config.parent, env=env, stdout=fh, stderr=fh)
 
@@ -183,51 +200,26 @@ def spawn(config: Path, producer_id: str, args) -> subprocess.Popen:
 
 
 class Loads:
-    """When each producer finished loading each version, and how long the load took."""
+    """When each producer finished loading each version, and how long the load took (as
+    each producer records them on loaded_key)."""
 
     def __init__(self, client, keys: Keys):
-        self.client, self.keys = client, keys
-        self.cursors = {keys.traj: "0-0", keys.metrics: "0-0"}
-        self.loaded: dict[tuple[str, int], float] = {}  # (producer, version) -> created_at
-        self.load_events: dict[str, list[tuple[float, float]]] = {}  # producer -> [(at, seconds)]
+        self.client, self.stream, self.cursor = client, loaded_key(keys), "0-0"
+        self.loaded: dict[tuple[str, int], tuple[float, float]] = {}  # (producer, version) -> (at, s)
 
     def poll(self) -> None:
-        resp = self.client.xread(self.cursors, count=10_000, block=50)
-        for stream, entries in resp or []:
-            stream = as_str(stream)
-            for entry_id, fields in entries:
-                self.cursors[stream] = entry_id
-                self._take(stream, fields[FIELD])
-
-    def _take(self, stream: str, raw: bytes) -> None:
-        if stream == self.keys.traj:
-            g = decode(raw, TrajectoryGroup)
-            self.loaded.setdefault((g.producer_id, g.policy_version), g.created_at)
-        else:
-            e = decode(raw, MetricsEvent)
-            if e.values.get("weight_loads") and "weight_load_seconds" in e.values:
-                pid = e.source.removeprefix("producer-")
-                self.load_events.setdefault(pid, []).append((e.at, e.values["weight_load_seconds"]))
+        for _, entries in self.client.xread({self.stream: self.cursor}, count=10_000, block=50) or []:
+            for entry_id, f in entries:
+                self.cursor = entry_id
+                self.loaded[(as_str(f[b"p"]), int(f[b"v"]))] = (float(f[b"at"]), float(f[b"s"]))
 
     def wait(self, producers: list[str], version: int, procs, *, timeout: float = WAIT) -> None:
-        """Until every producer has published a group sampled with ``version``."""
+        """Until every producer has loaded ``version``."""
         deadline = time.monotonic() + timeout
         while any((p, version) not in self.loaded for p in producers):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 missing = [p for p in producers if (p, version) not in self.loaded]
                 raise SystemExit(f"producers {missing} did not load version {version}")
-            self.poll()
-
-    def load_seconds(self, producer: str, loaded_at: float) -> float:
-        """The duration of the load that finished at ``loaded_at`` (in the metrics of the
-        group sampled right after it; waits for that event)."""
-        deadline = time.monotonic() + WAIT
-        while True:
-            for at, seconds in self.load_events.get(producer, []):
-                if at >= loaded_at:
-                    return seconds
-            if time.monotonic() > deadline:
-                raise SystemExit(f"no weight_load_seconds from {producer} after {loaded_at}")
             self.poll()
 
 
@@ -314,8 +306,8 @@ def one_version(
     sync = entry_event(fields, WeightSync)
     assert sync.version == version, (sync.version, version)
     loads.wait(producers, version, procs)
-    done = {p: loads.loaded[(p, version)] for p in producers}
-    took = {p: loads.load_seconds(p, done[p]) for p in producers}
+    done = {p: loads.loaded[(p, version)][0] for p in producers}
+    took = {p: loads.loaded[(p, version)][1] for p in producers}
     last = max(done.values())
     parts = clock.take()
     raw_save, raw_load = raw_save_load(model, workdir / "raw.safetensors", published)
