@@ -247,8 +247,8 @@ class WeightSync(msgspec.Struct, frozen=True, tag="weights", kw_only=True):
     step: int  # trainer step that produced these weights (not optimizer steps)
     uri: str  # file:// URI of a safetensors file (HF layout) or a directory holding one
     # sha256 of the directory's manifest.json, which lists every file's size and the sha256 of
-    # each of its 16 MiB pieces (streamer/weights.py). Before manifest format 2 it was the
-    # sha256 of the safetensors bytes: a reader of either kind refuses the other's versions.
+    # each of its 16 MiB pieces (streamer/weights.py); a reader refuses a manifest format it
+    # does not know.
     sha256: str
     at: float = msgspec.field(default_factory=time.time)
     schema: int = SCHEMA_VERSION
