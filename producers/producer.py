@@ -197,8 +197,10 @@ class Producer:
                 if await self.transport.redis(self.trips.nothing_to_teach):
                     r = self.trips.rows
                     log.info(
-                        "every row is solved (%d of %d): nothing left to teach; producer stopping",
+                        "every row is set aside (%d solved, %d unsolvable of %d) and a last look at "
+                        "each taught nothing: nothing left to teach; producer stopping",
                         r.solved,
+                        r.unsolvable,
                         r.total,
                     )
                 return Outcome.NOTHING_TO_TEACH

@@ -54,7 +54,7 @@ class Outcome(enum.StrEnum):
     WAIT = "wait"  # no row free now: leases held elsewhere may still expire
     AGAIN = "again"  # claim again, with a new window of rows
     EXHAUSTED = "exhausted"  # every epoch claimed and finished
-    NOTHING_TO_TEACH = "nothing to teach"  # every row is solved
+    NOTHING_TO_TEACH = "nothing to teach"  # every row is set aside and a last look taught nothing
 
 
 class Trips:
@@ -86,7 +86,8 @@ class Trips:
             total_tickets=order.total_tickets(p.epochs),
             max_attempts=p.max_row_attempts,
             defer_after=p.defer_after,
-            revisit_probability=p.revisit_probability,
+            defer_failed_after=p.defer_failed_after,
+            revisit_share=p.revisit_share,
             n_rows=order.n_rows,
         )
         self.admission = Admission(
@@ -95,7 +96,7 @@ class Trips:
         self.bus = cfg.bus
         self.publisher = Publisher(client, self.keys, cfg.bus)
         self.source = f"producer-{producer_id}"
-        self.defers = p.revisit_probability < 1  # rows that teach nothing step aside
+        self.defers = p.defer_after > 0 or p.defer_failed_after > 0  # rows that teach nothing step aside
         self.cursor = -1  # the ticket cursor the last claim saw: where the next window starts
         self.rows = rows.RowCounts(order.n_rows, 0, 0)  # as the last reply said
         self.newest: WeightSync | None = None  # the newest policy, as the last claim said
@@ -204,7 +205,7 @@ class Trips:
             log.warning("could not publish pending rollout counters: %s", e)
 
     def nothing_to_teach(self) -> bool:
-        """Every row is solved: say so in a metric, once; True that once."""
+        """Nothing is left to teach: say so in a metric, once; True that once."""
         if self.told_nothing_to_teach:
             return False
         self.told_nothing_to_teach = True

@@ -56,7 +56,6 @@ one Python twin of the admission rule is :func:`admission_limit`, which `streame
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -191,7 +190,7 @@ class Claim(NamedTuple):
     corrupt_rows: list[str]  # rows whose record was missing or not a record (now new)
 
 
-NOTHING_TO_TEACH = -3  # every row is solved, and a last look at each taught nothing (streamer/rows.py)
+NOTHING_TO_TEACH = -3  # every row is set aside, and a last look at each taught nothing (streamer/rows.py)
 AGAIN = -4  # the cursor left the caller's window of rows: claim again with a new window
 
 
@@ -209,16 +208,17 @@ class Leases:
         sweep_batch: int = 100,
         max_attempts: int = 0,
         defer_after: int = 0,
-        revisit_probability: float = 1.0,
+        defer_failed_after: int = 0,
+        revisit_share: float = 0.0,
         n_rows: int = 0,
     ):
         self.client, self.keys, self.owner = client, keys, owner
         self.lease_seconds, self.total_tickets = lease_seconds, total_tickets
         self.sweep_batch = sweep_batch
         self.max_attempts = max_attempts  # failed attempts before a row is skipped; 0 = never
-        self.defer_after, self.revisit_probability = defer_after, revisit_probability
+        self.defer_after, self.defer_failed_after = defer_after, defer_failed_after  # 0 = never
+        self.revisit_share = revisit_share
         self.n_rows = n_rows  # the dataset's rows (for "nothing left to teach")
-        self._rng = random.Random()
         self._claim = client.register_script(lua.CLAIM)
         self._claim_admit = client.register_script(lua.CLAIM_ADMIT)
         self._renew = client.register_script(lua.RENEW)
@@ -254,21 +254,20 @@ class Leases:
 
         ``known_policy``: the policy entry id the caller has (its fields come back only when
         the newest is another). ``window``: (first ticket, the rows of the tickets from it as
-        little-endian uint32), used to pass over rows set aside (``defer_after`` > 0)."""
+        little-endian uint32), used to pass over rows set aside (see :mod:`streamer.rows`)."""
         k, (base, rows) = self.keys, window
         limit = -1 if self.total_tickets is None else self.total_tickets
-        defer = self.defer_after if self.revisit_probability < 1 else 0
         try:
             reply = self._claim_admit(
                 keys=[
                     *(k.admitted, k.cursor, k.leases, k.lease_owner, k.requeue, k.lease_slots),
                     *(k.row_attempts, k.row_errors, k.skipped_rows, k.limits, k.policy),
-                    *(k.rows, k.rows_solved, k.rows_unsolvable, k.last_look),
+                    *(k.rows, k.rows_solved, k.rows_unsolvable, k.last_look, k.row_credit),
                 ],
                 args=[
                     *(self.owner, self.lease_seconds, limit, self.sweep_batch, self.max_attempts),
-                    *(*admission.defaults, known_policy, base, rows, defer, self.revisit_probability),
-                    *(self._rng.getrandbits(31), self.n_rows),
+                    *(*admission.defaults, known_policy, base, rows, self.defer_after),
+                    *(self.defer_failed_after, self.revisit_share, self.n_rows),
                 ],
             )
         except TRANSIENT:  # a cluster that is down answers CLUSTERDOWN, a ResponseError too
@@ -307,7 +306,6 @@ class Leases:
         k = self.keys
         row_args = ("", "", 0) if row is None else row
         event = metrics or ("", 0, 0)
-        defer = self.defer_after if self.revisit_probability < 1 else 0
         try:
             reply = self._publish(
                 keys=[
@@ -316,7 +314,7 @@ class Leases:
                     *(k.rows, k.rows_solved, k.rows_unsolvable),
                 ],
                 args=[ticket, self.owner, FIELD, payload, max_unacked, TRAINER_GROUP, *event, group_version]
-                + [*row_args, defer],
+                + [*row_args, self.defer_after, self.defer_failed_after],
             )
         except TRANSIENT:
             raise

@@ -48,21 +48,18 @@ class ProducerSection(Section):
         3  # skip a row after this many failed rollouts (error, timeout, crash); 0 = never
     )
     defer_after: NonNegInt = (
-        3  # set a row aside once its last this many groups were all solved (or all failed)
+        3  # set a row aside as solved once its last this many groups were all solved; 0 = never
     )
-    revisit_probability: Annotated[float, msgspec.Meta(ge=0, le=1)] = (
-        0.1  # chance that a row set aside is handed out anyway when it comes up; 1 = never set rows aside
+    defer_failed_after: NonNegInt = (
+        10  # set a row aside once this many groups in a row taught nothing (some failed); 0 = never
+    )
+    revisit_share: Annotated[float, msgspec.Meta(ge=0, lt=1)] = (
+        0.25  # at most this share of the rows handed out are revisits of rows set aside
     )
 
     def __post_init__(self) -> None:
         if self.min_group_size > self.group_size:
             raise ValueError("`min_group_size` must be <= `group_size`")
-        if self.defer_after == 0 and self.revisit_probability < 1:
-            raise ValueError(
-                "`defer_after` must be >= 1 while `producer.revisit_probability` < 1 (it is "
-                f"{self.revisit_probability:g}): 0 would set every row aside before its first group; "
-                "set `producer.revisit_probability` = 1 to never set rows aside"
-            )
         if self.sampler == "remote" and not self.remote_url:
             raise ValueError('`remote_url` is required when `sampler` is "remote"')
         transformed = self.temperature not in (0.0, 1.0) or self.top_p < 1

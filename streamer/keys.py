@@ -104,6 +104,10 @@ class Keys:
         return self._k("rows_unsolvable")  # SET of rows set aside as unsolvable
 
     @property
+    def row_credit(self) -> str:
+        return self._k("row_credit")  # FLOAT: revisits of rows set aside that are due
+
+    @property
     def last_look(self) -> str:
         return self._k("last_look")  # INT: the ticket the last look at every (solved) row ends at
 
@@ -177,7 +181,7 @@ class Keys:
             "stream": (self.traj, self.policy, self.metrics, self.dead),
             "string": (
                 *(self.cursor, self.admitted, self.version, self.rollout_step),
-                *(self.replicated, self.trainer_fence, self.row_count, self.last_look),
+                *(self.replicated, self.trainer_fence, self.row_count, self.last_look, self.row_credit),
             ),
             "hash": (
                 *(self.lease_owner, self.row_attempts, self.row_errors, self.skipped_rows),

@@ -21,7 +21,7 @@ tag, so each script runs on one node of a cluster):
 (``attempts`` is ``row_attempts`` and ``row_errors``; the claims also write ``skipped_rows``;
 the admissions read ``limits``; ``CLAIM_ADMIT`` reads ``policy`` and the row records
 (``rows``, ``rows_solved``, ``rows_unsolvable``, see :mod:`streamer.rows`), which
-``PUBLISH`` writes; ``PUBLISH`` increments ``rollout_step``, reads ``version`` and may XADD
+``PUBLISH`` writes, and keeps the revisits due in ``row_credit``; ``PUBLISH`` increments ``rollout_step``, reads ``version`` and may XADD
 to ``metrics``; ``RELEASE`` counts rejections in ``rejected_since_step``.)
 """
 
@@ -142,9 +142,9 @@ return granted
 # and say what the policy stream holds (its newest entry, in full when it is not the one the
 # producer knows).
 # KEYS: admitted cursor leases owner requeue slots attempts errors skipped limits policy
-#       rows rows_solved rows_unsolvable last_look
+#       rows rows_solved rows_unsolvable last_look row_credit
 # ARGV: owner lease_seconds limit sweep_batch max_attempts staleness per_step known_policy_id
-#       window_base window defer_after(0 = off) revisit_probability seed n_rows
+#       window_base window defer_after defer_failed_after (both 0 = off) revisit_share n_rows
 # Returns {ticket (or -1 exhausted, -2 wait, -3 nothing left to teach, -4 claim again),
 #   granted (as ADMIT, or a reason), cursor, passed over, solved, unsolvable,
 #   newest policy id or false, its fields or false (the known one), corrupt rows...}
@@ -157,24 +157,22 @@ CLAIM_ADMIT = (
     + """
 local k = {admitted = KEYS[1], cursor = KEYS[2], leases = KEYS[3], owner = KEYS[4], requeue = KEYS[5],
   slots = KEYS[6], attempts = KEYS[7], errors = KEYS[8], skipped = KEYS[9], limits = KEYS[10],
-  policy = KEYS[11], rows = KEYS[12], solved = KEYS[13], unsolvable = KEYS[14], look = KEYS[15]}
-local defer_after, revisit, n_rows = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[14])
+  policy = KEYS[11], rows = KEYS[12], solved = KEYS[13], unsolvable = KEYS[14], look = KEYS[15],
+  credit = KEYS[16]}
+local rows_rule, n_rows = rule(ARGV[11], ARGV[12]), tonumber(ARGV[14])
 sweep(k, now, ARGV[4])
 local corrupt, solved, unsolvable = {}, 0, 0
--- nothing may be left to teach once every row is solved (or set aside, without revisits)
-local done_at = revisit > 0 and 'solved' or 'aside'
-if defer_after > 0 then
-  solved, unsolvable = set_aside_counts(k, defer_after, n_rows, done_at, corrupt)
+if rows_rule.on then
+  solved, unsolvable = set_aside_counts(k, rows_rule, n_rows, corrupt)
 end
 local ticket, passed, granted = requeued(k, tonumber(ARGV[5])), 0, 0
-local check = defer_after
-if not ticket and defer_after > 0 then
-  local look = last_look(k, (done_at == 'solved' and solved or solved + unsolvable) >= n_rows, n_rows)
-  if look == 'look' then check = 0 elseif look then ticket = look end
+local check = rows_rule
+if not ticket and rows_rule.on then
+  local look = last_look(k, solved + unsolvable >= n_rows, n_rows)
+  if look == 'look' then check = rule(0, 0) elseif look then ticket = look end
 end
 if not ticket then
-  math.randomseed(tonumber(ARGV[13]))
-  local got = next_row(k, tonumber(ARGV[3]), tonumber(ARGV[9]), ARGV[10], check, revisit, corrupt)
+  local got = next_row(k, tonumber(ARGV[3]), tonumber(ARGV[9]), ARGV[10], check, tonumber(ARGV[13]), corrupt)
   ticket, passed = got[1], got[2]
 end
 ticket = tonumber(ticket)
@@ -237,7 +235,7 @@ end
 #       rows rows_solved rows_unsolvable
 # ARGV: ticket owner field payload max_unacked(-1 = no check) group
 #       metrics_payload('' = none) step_at offset_at group_version row('' = none) outcome pass_rate
-#       defer_after
+#       defer_after defer_failed_after
 # Nothing is written when the lease is not ours ({0}), the trajectory stream has no room
 # ({2}), or the rollout step or version is not a number (an error). Otherwise the group is
 # XADDed and the lease ends; the ticket's admission slot moves to the entry, which the
@@ -272,7 +270,7 @@ if redis.call('SREM', k.slots, ARGV[1]) == 1 then redis.call('SADD', k.held, id)
 step = redis.call('INCR', k.step)
 local corrupt = false
 if ARGV[11] ~= '' then
-  corrupt = record_group(k, ARGV[11], ARGV[12], tonumber(ARGV[13]), tonumber(ARGV[14]))
+  corrupt = record_group(k, ARGV[11], ARGV[12], tonumber(ARGV[13]), rule(ARGV[14], ARGV[15]))
 end
 if ARGV[7] ~= '' then
   local offset = math.max(0, tonumber(version or '0') - tonumber(ARGV[10]))

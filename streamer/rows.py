@@ -11,27 +11,32 @@ rewards when it publishes, so the publish script updates the row's record
   towards each new group's).
 
 A group is *solved* when every sample got the same reward and it is above 0, *failed*
-when every sample got the same reward of 0 or less, *useful* otherwise. A row whose last
-``producer.defer_after`` groups were all solved is *solved*; all failed, *unsolvable*
-(``…:rows_solved`` and ``…:rows_unsolvable`` hold them, for counting). When such a row's
-ticket comes up, the claim script passes it over and takes the next one; with probability
-``producer.revisit_probability`` it is handed out anyway, so a regression (or a row that
-became learnable) is noticed: one useful group makes it active again.
+when every sample got the same reward of 0 or less, *useful* otherwise. A row is set aside
+
+- as *solved* once its last ``producer.defer_after`` groups were all solved;
+- once ``producer.defer_failed_after`` groups in a row taught nothing (some failed): as
+  *unsolvable*, or as *solved* when most of them were solved (a solved row that slips now
+  and then teaches as little as one that never does).
+
+``…:rows_solved`` and ``…:rows_unsolvable`` hold them, for counting. When such a row's
+ticket comes up, the claim script passes it over and takes the next one, unless a revisit
+is due: each active row handed out earns ``s / (1 - s)`` of a revisit
+(``s`` = ``producer.revisit_share``, kept in ``…:row_credit``, at most one revisit's worth
+banked beyond that), so revisits are at most that share of the rows handed out, however
+many rows are set aside. A revisit notices a regression (or a row that became learnable):
+one useful group makes the row active again.
 
 The claim script maps tickets to rows with a *window* the producer sends: the rows of the
 tickets from the cursor it last saw on (:meth:`producers.dataset.Order.window`). A ticket
 outside the window is not handed out blind: the script answers "claim again" with the
 current cursor. Requeued tickets (a failed or expired attempt) are never passed over.
 
-When every row is solved, the claims first hand out the next ``n_rows`` tickets whatever
+When every row is set aside, the claims first hand out the next ``n_rows`` tickets whatever
 their rows (``…:last_look``: one more look at about every row under the current policy). If
 none of those groups taught anything, nothing is left that can teach: the claim answers so,
-the producers stop, and `streamer status` and `streamer up` say it. Unsolvable rows do not
-end a run (unless ``revisit_probability`` is 0: then nothing would ever hand them out
-again): late in a run the policy still learns from the rare group of such a row that is
-not all failed, and with every row set aside the revisits are exactly that sampling. A record that is missing (a
-row in a set without one) or not a record is forgotten: the row is treated as new (never
-skipped for ever) and the producer logs one warning.
+the producers stop, and `streamer status` and `streamer up` say it. A record that is
+missing (a row in a set without one) or not a record is forgotten: the row is treated as
+new (never skipped for ever) and the producer logs one warning.
 """
 
 from __future__ import annotations
@@ -43,8 +48,14 @@ import redis
 from streamer.keys import Keys
 
 # Lua functions of the claim and publish scripts (streamer/lease_scripts.py); ``k`` names the
-# keys rows, solved, unsolvable and cursor.
+# keys rows, solved, unsolvable, credit and cursor; ``rule`` is :func:`rule`'s table.
 LUA = """
+-- the rule of setting rows aside from two arguments: defer_after, defer_failed_after (0 = never)
+local function rule(solved, failed)
+  solved, failed = tonumber(solved), tonumber(failed)
+  return {solved = solved, failed = failed, on = solved > 0 or failed > 0}
+end
+
 local function parse_record(raw)  -- {g, s, p}; nil: no record; false: not a record
   if not raw then return nil end
   local g, s, p = string.match(raw, '^(%d+),(%d+),(%d*%.?%d+)$')
@@ -53,10 +64,14 @@ local function parse_record(raw)  -- {g, s, p}; nil: no record; false: not a rec
   return {g, s, p}
 end
 
-local function state_of(rec, defer_after)  -- 'solved', 'unsolvable' or nil (active)
-  if rec and rec[1] >= defer_after then
-    if rec[2] == rec[1] then return 'solved' end
-    if rec[2] == 0 then return 'unsolvable' end
+-- rule: {solved = defer_after, failed = defer_failed_after} (0: never)
+local function state_of(rec, rule)  -- 'solved', 'unsolvable' or nil (active)
+  if not rec then return nil end
+  local g, s = rec[1], rec[2]
+  if rule.solved > 0 and g >= rule.solved and s == g then return 'solved' end
+  if rule.failed > 0 and g >= rule.failed and s < g then
+    if 2 * s > g then return 'solved' end
+    return 'unsolvable'
   end
   return nil
 end
@@ -73,25 +88,24 @@ local function place(k, row, state)
 end
 
 -- the row's state; a record that is not one is forgotten (the row is new) and reported
-local function row_state(k, row, defer_after, corrupt)
+local function row_state(k, row, rule, corrupt)
   local rec = parse_record(redis.call('HGET', k.rows, row))
   if rec == false then
     forget(k, row)
     table.insert(corrupt, row)
   end
-  return state_of(rec, defer_after)
+  return state_of(rec, rule)
 end
 
--- the sizes of the two sets; when the solved (done_at 'solved') or both ('aside') cover
--- every row, each member is checked first
-local function set_aside_counts(k, defer_after, n_rows, done_at, corrupt)
+-- the sizes of the two sets; when they cover every row, each member is checked first
+local function set_aside_counts(k, rule, n_rows, corrupt)
   local solved, unsolvable = redis.call('SCARD', k.solved), redis.call('SCARD', k.unsolvable)
-  if (done_at == 'solved' and solved or solved + unsolvable) < n_rows then return solved, unsolvable end
+  if solved + unsolvable < n_rows then return solved, unsolvable end
   for _, set in ipairs({{k.solved, 'solved'}, {k.unsolvable, 'unsolvable'}}) do
     for _, row in ipairs(redis.call('SMEMBERS', set[1])) do
       local rec = parse_record(redis.call('HGET', k.rows, row))
       local n = tonumber(row)
-      local state = state_of(rec, defer_after)
+      local state = state_of(rec, rule)
       if not rec then
         forget(k, row)
         table.insert(corrupt, row)
@@ -105,27 +119,40 @@ local function set_aside_counts(k, defer_after, n_rows, done_at, corrupt)
   return redis.call('SCARD', k.solved), redis.call('SCARD', k.unsolvable)
 end
 
+-- revisits banked (k.credit): each active row handed out earns share / (1 - share)
+local function credit(k) return tonumber(redis.call('GET', k.credit) or '0') or 0 end
+
 -- the next new ticket whose row is not set aside (or is revisited): {ticket, passed over};
 -- -4 when the cursor left the producer's window of rows (it claims again with a new one)
-local function next_row(k, limit, base, window, defer_after, revisit, corrupt)
+local function next_row(k, limit, base, window, rule, share, corrupt)
   local passed = 0
   while true do
     local none = no_new_ticket(k, limit)
     if none then return {none, passed} end
-    if defer_after <= 0 then return {redis.call('INCR', k.cursor) - 1, passed} end
+    if not rule.on then return {redis.call('INCR', k.cursor) - 1, passed} end
     local cursor = tonumber(redis.call('GET', k.cursor) or '0')
     local i = cursor - base
     if i < 0 or 4 * i + 4 > #window then return {-4, passed} end
     local b1, b2, b3, b4 = string.byte(window, 4 * i + 1, 4 * i + 4)
-    local state = row_state(k, b1 + 256 * b2 + 65536 * b3 + 16777216 * b4, defer_after, corrupt)
+    local state = row_state(k, b1 + 256 * b2 + 65536 * b3 + 16777216 * b4, rule, corrupt)
     redis.call('INCR', k.cursor)
-    if state == nil or math.random() < revisit then return {cursor, passed} end
+    if state == nil then
+      if share > 0 then
+        local earned = share / (1 - share)
+        redis.call('SET', k.credit, string.format('%.17g', math.min(credit(k) + earned, 1 + earned)))
+      end
+      return {cursor, passed}
+    end
+    local banked = credit(k)
+    if banked >= 1 then
+      redis.call('SET', k.credit, string.format('%.17g', banked - 1))
+      return {cursor, passed}
+    end
     passed = passed + 1
   end
 end
 
--- every row solved (or set aside, without revisits): before nothing is said to be left to
--- teach, the next n_rows tickets
+-- every row set aside: before nothing is said to be left to teach, the next n_rows tickets
 -- are handed out whatever their rows (a last look under the current policy). nil: some row
 -- is active; 'look': hand the next ticket out; -2: the last look's groups are still out;
 -- -3: nothing left to teach
@@ -148,7 +175,7 @@ end
 
 -- the record after one more group of the row: 'solved', 'failed' or 'useful'; returns the
 -- row when its old record was not one (it starts again as new), else false
-local function record_group(k, row, outcome, pass_rate, defer_after)
+local function record_group(k, row, outcome, pass_rate, rule)
   local rec = parse_record(redis.call('HGET', k.rows, row))
   local corrupt = rec == false and row
   if rec then rec[3] = (rec[3] + pass_rate) / 2 else rec = {0, 0, pass_rate} end
@@ -159,7 +186,7 @@ local function record_group(k, row, outcome, pass_rate, defer_after)
     if outcome == 'solved' then rec[2] = rec[2] + 1 end
   end
   redis.call('HSET', k.rows, row, string.format('%d,%d,%.3f', rec[1], rec[2], rec[3]))
-  if defer_after > 0 then place(k, row, state_of(rec, defer_after)) end
+  if rule.on then place(k, row, state_of(rec, rule)) end
   return corrupt
 end
 """

@@ -1,12 +1,13 @@
-"""Rows that teach nothing step aside: a row whose last groups were all solved (or all
-failed) is passed over by claims, handed out again only with the revisit probability, and
-active again after one useful group; when every row is solved the producers stop and the
-run says so; a row record that is missing or unreadable makes the row new, with one warning."""
+"""Rows that teach nothing step aside: a row whose last groups were all solved (or taught
+nothing for longer) is passed over by claims, revisited only within a share of the rows
+handed out, and active again after one useful group; when every row is set aside the
+producers stop and the run says so; a row record that is missing or unreadable makes the row
+new, with one warning."""
 
 from __future__ import annotations
 
+import itertools
 import logging
-import random
 import threading
 
 import pytest
@@ -27,26 +28,26 @@ ROWS = 4
 ORDER = Order(ROWS, seed=0, shuffle=False)  # ticket t is row t % 4
 
 
-def _leases(client, keys, *, defer_after=2, revisit=0.0, seed=0) -> tuple[Leases, Admission]:
+def _leases(client, keys, *, defer_after=2, failed_after=0, share=0.0) -> tuple[Leases, Admission]:
     leases = Leases(
         client,
         keys,
         owner="p",
         lease_seconds=60,
         defer_after=defer_after,
-        revisit_probability=revisit,
+        defer_failed_after=failed_after,
+        revisit_share=share,
         n_rows=ROWS,
     )
-    leases._rng = random.Random(seed)
     return leases, Admission(client, keys, max_staleness=1000, groups_per_step=1000)
 
 
-def _group(leases, admission, outcome_of) -> tuple[int, int]:
+def _group(leases, admission, outcome_of, order=ORDER) -> tuple[int, int]:
     """Claim a row and publish a group with ``outcome_of(row)``; (row, tickets passed over)."""
     cursor = int(leases.client.get(leases.keys.cursor) or 0)
-    claim = leases.claim_admit(admission, window=(cursor, ORDER.window(cursor, 64)))
+    claim = leases.claim_admit(admission, window=(cursor, order.window(cursor, 64)))
     assert claim.ticket >= 0 and claim.granted, claim
-    row = ORDER.position(claim.ticket).row
+    row = order.position(claim.ticket).row
     assert leases.publish(claim.ticket, b"g", row=(row, outcome_of(row), 1.0)) is not None
     return row, claim.passed_over
 
@@ -56,7 +57,7 @@ def _solved_1_failed_2(row: int) -> str:
 
 
 def test_rows_whose_last_groups_were_all_solved_or_all_failed_are_passed_over(client, keys):
-    leases, admission = _leases(client, keys, defer_after=2)
+    leases, admission = _leases(client, keys, defer_after=2, failed_after=2)
     first = [_group(leases, admission, _solved_1_failed_2)[0] for _ in range(2 * ROWS)]
     assert first == [0, 1, 2, 3] * 2
     later = [_group(leases, admission, _solved_1_failed_2) for _ in range(6)]
@@ -66,20 +67,39 @@ def test_rows_whose_last_groups_were_all_solved_or_all_failed_are_passed_over(cl
     assert client.hget(keys.rows, 1).startswith(b"2,2,") and client.hget(keys.rows, 0).startswith(b"0,0,")
 
 
-def test_a_row_set_aside_is_revisited_with_the_probability_and_one_useful_group_brings_it_back(client, keys):
-    leases, admission = _leases(client, keys, defer_after=1, revisit=0.25, seed=1)
-    rows = [_group(leases, admission, lambda r: "solved" if r == 1 else "useful")[0] for _ in range(400)]
-    epochs = (int(client.get(keys.cursor)) - 1) // ROWS
-    revisits = rows[ROWS:].count(1)
-    assert 0.1 * epochs < revisits < 0.45 * epochs, f"row 1 handed out {revisits} times in {epochs} epochs"
-    while _group(leases, admission, lambda r: "useful")[0] != 1:  # the next revisit teaches
+def test_a_row_that_teaches_nothing_steps_aside_after_more_groups_as_what_it_mostly_was(client, keys):
+    seen = dict.fromkeys(range(ROWS), 0)
+    pattern = {0: "fff", 1: "sfs", 2: "fsf", 3: "sss"}  # row 1 slips now and then; row 2 rarely passes
+
+    def outcome(row: int) -> str:
+        seen[row] += 1
+        return {"s": "solved", "f": "failed"}[pattern[row][(seen[row] - 1) % 3]]
+
+    leases, admission = _leases(client, keys, defer_after=4, failed_after=3)
+    assert [_group(leases, admission, outcome)[0] for _ in range(3 * ROWS)] == [0, 1, 2, 3] * 3
+    assert client.smembers(keys.rows_unsolvable) == {b"0", b"2"}
+    assert client.smembers(keys.rows_solved) == {b"1"}, "row 3 needs a fourth solved group"
+    assert _group(leases, admission, outcome) == (3, 3)
+    assert client.smembers(keys.rows_solved) == {b"1", b"3"}
+    assert _group(leases, admission, outcome) == (0, 0), "every row set aside: the last look starts"
+
+
+@pytest.mark.parametrize("aside", [1, 3])
+def test_revisits_are_a_share_of_the_rows_handed_out_however_many_rows_are_set_aside(client, keys, aside):
+    leases, admission = _leases(client, keys, defer_after=1, share=0.25)
+    solved, shuffled = set(range(1, aside + 1)), Order(ROWS, seed=0)  # each epoch its own order
+    outcome = lambda r: "solved" if r in solved else "useful"  # noqa: E731
+    rows = [_group(leases, admission, outcome, shuffled)[0] for _ in range(ROWS + 400)][ROWS:]
+    revisits = sum(r in solved for r in rows)
+    assert 0.15 * len(rows) <= revisits <= 0.25 * len(rows) + 1, f"{revisits} revisits in {len(rows)} groups"
+    assert all(n >= 1 for n in map(rows.count, solved)), "every row set aside is revisited"
+    while _group(leases, admission, lambda r: "useful", shuffled)[0] not in solved:  # a revisit teaches
         pass
-    assert client.scard(keys.rows_solved) == 0
-    assert [_group(leases, admission, lambda r: "useful")[0] for _ in range(ROWS)].count(1) == 1
+    assert client.scard(keys.rows_solved) == aside - 1
 
 
 def test_when_every_row_is_solved_a_last_look_at_each_comes_before_nothing_is_left_to_teach(client, keys):
-    leases, admission = _leases(client, keys, defer_after=1, revisit=0.1)
+    leases, admission = _leases(client, keys, defer_after=1, share=0.1)
     for _ in range(ROWS):
         _group(leases, admission, lambda r: "solved")
     looked = [_group(leases, admission, lambda r: "solved") for _ in range(ROWS)]
@@ -88,18 +108,23 @@ def test_when_every_row_is_solved_a_last_look_at_each_comes_before_nothing_is_le
     assert client.zcard(keys.leases) == 0 and int(client.get(keys.admitted)) == 2 * ROWS, "no lease, no slot"
 
 
-def test_unsolvable_rows_end_a_run_only_when_nothing_would_hand_them_out_again(client, keys):
+def test_unsolvable_rows_end_a_run_once_revisits_and_a_last_look_taught_nothing(client, keys):
     solved_or_failed = lambda r: "solved" if r % 2 else "failed"  # noqa: E731
-    leases, admission = _leases(client, keys, defer_after=1, revisit=0.5)
-    for _ in range(ROWS):
-        _group(leases, admission, solved_or_failed)
-    revisits = [_group(leases, admission, solved_or_failed)[1] for _ in range(20)]
-    assert sum(revisits) > 0 and not client.exists(keys.last_look), "rows come back one at a time"
-    leases.revisit_probability = 0.0
-    for _ in range(ROWS):  # the last look
-        _group(leases, admission, solved_or_failed)
-    cursor = int(client.get(keys.cursor))
-    assert leases.claim_admit(admission, window=(cursor, ORDER.window(cursor, 8))).ticket == NOTHING_TO_TEACH
+    leases, admission = _leases(client, keys, defer_after=1, failed_after=1, share=0.5)
+    groups = [_group(leases, admission, solved_or_failed) for _ in range(ROWS)]
+    assert client.scard(keys.rows_solved) == client.scard(keys.rows_unsolvable) == 2
+    for _ in itertools.count():  # the revisits earned by the first groups, then the last look
+        cursor = int(client.get(keys.cursor))
+        claim = leases.claim_admit(admission, window=(cursor, ORDER.window(cursor, 8)))
+        if claim.ticket == NOTHING_TO_TEACH:
+            break
+        assert leases.publish(
+            claim.ticket, b"g", row=(claim.ticket % ROWS, solved_or_failed(claim.ticket % ROWS), 1.0)
+        )
+        groups.append(claim.ticket)
+    assert ROWS + ROWS <= len(groups) <= ROWS + ROWS + 2, (
+        "1 + 1 revisits banked at most, then one look at each"
+    )
 
 
 def test_a_last_look_that_teaches_puts_the_row_back(client, keys):
@@ -130,12 +155,12 @@ def _producer(keys, redis_url, tmp_path, client, *, rows: int, reward: float, **
 def test_a_producer_stops_when_nothing_is_left_to_teach_and_the_run_says_so(
     client, keys, redis_url, tmp_path, caplog
 ):
-    p = _producer(keys, redis_url, tmp_path, client, rows=2, reward=1.0, defer_after=2)
+    p = _producer(keys, redis_url, tmp_path, client, rows=2, reward=1.0, defer_after=2, revisit_share=0.0)
     with caplog.at_level(logging.INFO, logger="producers.producer"):
         assert p.run() == 0
     assert client.xlen(keys.traj) == 6, "two groups of each row, a last look at each, then nothing"
     said = [r.getMessage() for r in caplog.records if "nothing left to teach" in r.getMessage()]
-    assert len(said) == 1 and "every row is solved (2 of 2)" in said[0]
+    assert len(said) == 1 and "every row is set aside (2 solved, 0 unsolvable of 2)" in said[0]
     events = [decode(f[b"d"], MetricsEvent) for _, f in client.xrange(keys.metrics)]
     assert events[-1].values["nothing_to_teach"] == 1.0 and events[-1].values["rows_active"] == 0
     snap = snapshot(client, keys)
@@ -182,9 +207,10 @@ def _groups(client, keys) -> list[TrajectoryGroup]:
     return [decode(f[b"d"], TrajectoryGroup) for _, f in client.xrange(keys.traj)]
 
 
-@pytest.mark.parametrize("bad", ["defer_after = 0", "defer_after = 0\nrevisit_probability = 0.5"])
-def test_settings_that_set_every_row_aside_from_the_start_are_a_config_error(bad):
+@pytest.mark.parametrize("share", ["1.0", "-0.1"])
+def test_a_revisit_share_outside_0_to_1_is_a_config_error_naming_the_key(share):
     with pytest.raises(ConfigError) as e:
-        parse_config(f"[producer]\n{bad}\n")
-    assert "producer.defer_after" in str(e.value) and "producer.revisit_probability" in str(e.value)
-    assert parse_config("[producer]\ndefer_after = 0\nrevisit_probability = 1.0\n").producer.defer_after == 0
+        parse_config(f"[producer]\nrevisit_share = {share}\n")
+    assert "producer.revisit_share" in str(e.value)
+    off = parse_config("[producer]\ndefer_after = 0\ndefer_failed_after = 0\n").producer
+    assert (off.defer_after, off.defer_failed_after) == (0, 0), "0 and 0: rows never step aside"

@@ -47,7 +47,7 @@ class Progress:
         self._bad_version = False  # the version key held no number (logged once)
         self.started = time.monotonic() if started is None else started  # `up` began
         self.reached: dict[str, float] = {}  # "reward"/"eval" -> seconds to reach THRESHOLD
-        self.nothing_to_teach = False  # every row is solved: nothing left to teach
+        self.nothing_to_teach = False  # every row set aside: nothing left to teach
 
     @property
     def train_step(self) -> int:
@@ -81,7 +81,7 @@ class Progress:
             if not self.curves.apply(e):
                 continue  # a copy written by a retry
             if e.axis == "rollout" and e.values.get("nothing_to_teach"):
-                self.nothing_to_teach = True  # a producer found every row solved
+                self.nothing_to_teach = True  # a producer found nothing left to teach
             if len(h.recent_rewards) == WINDOW and (h.reward() or 0.0) >= THRESHOLD:
                 self.reached.setdefault("reward", time.monotonic() - self.started)
             if (h.eval_accuracy or 0.0) >= THRESHOLD:

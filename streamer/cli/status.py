@@ -73,7 +73,7 @@ def render(snap: Snapshot) -> str:
     if snap.stalled:
         lines.append("STALLED: " + "; ".join(snap.reasons))
     elif snap.nothing_to_teach:
-        lines.append("status      done: nothing left to teach (every row is solved)")
+        lines.append("status      done: nothing left to teach (every row is set aside)")
     else:
         lines.append("status      ok")
     return "\n".join(lines)

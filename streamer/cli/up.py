@@ -3,7 +3,7 @@
 Starts the embedded Valkey server (unless ``--redis-url``), then the metrics exporter,
 the trainer, the evaluator and N producers, all through the same entry points as
 ``streamer train|produce|eval|metrics``. It prints a live progress view, and when the
-trainer has finished its steps (or the producers find every row solved: nothing left to
+trainer has finished its steps (or the producers find every row set aside: nothing left to
 teach) it stops the rest in order and prints a summary.
 Running it again in the same data directory resumes the run; ``--fresh`` starts over
 (deleting only what Streamer created and marked, see :mod:`streamer.rundir`).
@@ -292,7 +292,7 @@ def _supervise(stack: Stack, progress: Progress, stop: threading.Event, *, until
         progress.tick()
         if progress.nothing_to_teach:
             print(
-                "\nstreamer up: every row is solved: nothing left to teach; stopping",
+                "\nstreamer up: every row is set aside: nothing left to teach; stopping",
                 flush=True,
             )
             return 0
