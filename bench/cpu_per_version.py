@@ -13,6 +13,8 @@ counted the same way:
             evaluation every ``eval.eval_every`` versions
 
 The figure is CPU seconds per policy version (one version per train step), system / bare.
+The system may make fewer versions than asked: when every row is set aside and a last look
+taught nothing, the producers stop and `up` ends the run; its figure is per version it made.
 While the system runs, each process's CPU is read from ``/proc/PID/stat`` every 0.25 s;
 the last reading before it exits gives the breakdown by role (the total is exact, the
 parts miss at most the last 0.25 s of each process).
@@ -123,8 +125,11 @@ def system_side(steps: int, producers: int, workdir: Path, config: Path | None) 
     roles: dict[str, float] = {}
     for role, seconds in seen.values():
         roles[role] = roles.get(role, 0.0) + seconds
-    groups = _count(r"groups published +(\d+)", "".join(out))
-    return {"cpu": cpu, "wall": wall, "versions": steps, "roles": roles, "groups": groups}
+    text = "".join(out)
+    groups = _count(r"groups published +(\d+)", text)
+    # fewer than asked when the producers found nothing left to teach and `up` ended the run
+    versions = _count(r"steps trained +(\d+)", text)
+    return {"cpu": cpu, "wall": wall, "versions": versions, "roles": roles, "groups": groups}
 
 
 def _count(pattern: str, text: str) -> int:

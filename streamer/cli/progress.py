@@ -179,6 +179,7 @@ class Progress:
             "reward_by_version": self.history.reward_by_version.means(),
             "groups_by_version": self.history.reward_by_version.counts(),
             "eval_accuracy_by_version": self.history.eval_by_version.means(),
+            "rejected_per_accepted_by_step": self.history.rejected_by_step.means(),
             "eval_sets": {
                 name: {"k": c.k, "mean_at_k": c.accuracy.means(), "pass_at_k": c.pass_at_k.means()}
                 for name, c in self.history.eval_sets.items()

@@ -2,7 +2,7 @@
 
 :class:`History` is what `up`'s progress view prints and what `streamer plot` draws:
 rollout reward and eval accuracy against policy version (and each eval set's mean@k and
-pass@k), loss and staleness against train step. Each curve is a :class:`Curve` of (sum, count) per x bucket; past ``MAX_POINTS``
+pass@k), loss, staleness and groups rejected per accepted group against train step. Each curve is a :class:`Curve` of (sum, count) per x bucket; past ``MAX_POINTS``
 buckets the bucket width doubles and neighbours merge, so a curve holds at most
 ``MAX_POINTS`` points over any number of steps. It is a msgspec Struct: the exporter
 saves it inside its state snapshot (:mod:`streamer.readmodel.saved`), so the metrics stream can
@@ -64,6 +64,7 @@ class History(msgspec.Struct, kw_only=True):
     eval_by_version: Curve = msgspec.field(default_factory=Curve)
     loss_by_step: Curve = msgspec.field(default_factory=Curve)
     staleness_by_step: Curve = msgspec.field(default_factory=Curve)
+    rejected_by_step: Curve = msgspec.field(default_factory=Curve)  # groups rejected per accepted one
     headline_set: str = ""  # the set eval_step / eval_accuracy / eval_by_version follow: the first seen
     eval_sets: dict[str, SetCurves] = msgspec.field(default_factory=dict)
 
@@ -75,6 +76,9 @@ class History(msgspec.Struct, kw_only=True):
                 self.loss_by_step.add(e.step, loss)
             if (lag := v.get("staleness_mean")) is not None:
                 self.staleness_by_step.add(e.step, lag)
+            if accepted := v.get("groups_accepted"):
+                rejected = sum(x for k, x in v.items() if k.startswith("groups_rejected_"))
+                self.rejected_by_step.add(e.step, rejected / accepted)
         elif e.axis == "rollout":
             self.groups += int(v.get("groups", 1))
             if (r := v.get("reward_mean")) is not None:
