@@ -60,6 +60,15 @@ def rejected_per_accepted(curve: dict) -> float | None:
     return sum(last) / len(last) if last else None
 
 
+def every_100(evals: dict) -> str:
+    """Held-out accuracy at versions 100, 200, ... (the last eval at or before each)."""
+    by_version = sorted((int(v), a) for v, a in evals.items())
+    out = []
+    for at in range(100, (by_version[-1][0] if by_version else 0) + 1, 100):
+        out.append(f"{[a for v, a in by_version if v <= at][-1]:.1f}")
+    return " ".join(out) or "-"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -72,9 +81,9 @@ def main() -> int:
     print(f"demo, {args.producers} producers, {args.steps} steps asked for per seed")
     print(
         "\n| seed | wall time | steps | ended | held-out >= 0.8 after | reward >= 0.8 after "
-        f"| final held-out | rejected / accepted, last {LAST} steps |"
+        f"| final held-out | held-out at v100, v200, ... | rejected / accepted, last {LAST} steps |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     met, worst = 0, 0.0
     for seed in args.seeds:
         c = run_once(seed, args.steps, args.producers)
@@ -88,7 +97,7 @@ def main() -> int:
         rej_text = "-" if rej is None else f"{rej:.2f}"
         print(
             f"| {seed} | {c['wall_seconds']:.0f}s | {c['steps']} | {c['ended']} | {fmt(e)} | {fmt(r)} "
-            f"| {final:.2f} | {rej_text} |"
+            f"| {final:.2f} | {every_100(evals)} | {rej_text} |"
         )
     n = len(args.seeds)
     print(f"\nseeds with held-out accuracy >= 0.8 within {GOAL_SECONDS:.0f}s: {met}/{n} (goal {n}/{n})")
