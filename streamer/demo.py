@@ -28,8 +28,9 @@ CHARS = list("0123456789+=")
 # trainer steps of `streamer up` with no arguments. By ~500 the policy answers nearly every
 # training prompt right in all 16 samples; those rows step aside (streamer/rows.py), and
 # once every row has, the run ends by itself. The learning rate decays (cosine, to 0.1 of
-# it) over the run: at a constant one, the last steps, spent on the few rows still
-# learnable, pulled held-out accuracy back down (0.9 at version 300, 0.3 at 600).
+# it) over these steps and then stays there (so `--steps 0` runs on): at a constant one,
+# the last steps, spent on the few rows still learnable, pulled held-out accuracy back
+# down (0.9 at version 300, 0.3 at 600).
 STEPS = 500
 
 
@@ -46,6 +47,7 @@ def config():
             "lr": 1e-3,
             "lr_schedule": "cosine",
             "min_lr_ratio": 0.1,
+            "lr_decay_steps": STEPS * 2,  # optimizer steps: 2 minibatches a step
             "max_staleness": 1,
             "ppo_minibatches": 2,
             "overlong": "keep",
