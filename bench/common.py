@@ -473,11 +473,10 @@ def run_up(cfg, workdir: Path, *extra: str, timeout: float, during: Callable[[],
     config = workdir / "run.toml"
     config.write_text(to_toml(msgspec.to_builtins(cfg)))
     argv = [sys.executable, "-m", "streamer", "up", "--config", str(config), "--fresh", "--no-progress"]
+    argv += ["--data-dir", str(workdir), *extra]
     began = time.monotonic()
     with open(workdir / "up.log", "w+") as log:
-        up = subprocess.Popen(
-            [*argv, "--data-dir", str(workdir), *extra], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
-        )
+        up = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         if during is not None:
             during()
         try:

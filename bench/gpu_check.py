@@ -32,19 +32,17 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
+import common as C
 
-from consumers.batch import collate  # noqa: E402
-from consumers.learner import Learner  # noqa: E402
-from producers.render import Renderer  # noqa: E402
-from producers.samplers import LocalSampler  # noqa: E402
-from schemas import TrajectoryGroup  # noqa: E402
-from streamer import demo  # noqa: E402
-from streamer.config import TrainerSection  # noqa: E402
+from consumers.batch import collate
+from consumers.learner import Learner
+from producers.render import Renderer
+from producers.samplers import LocalSampler
+from schemas import TrajectoryGroup
+from streamer import demo
+from streamer.config import TrainerSection
 
 T = 0.7
 failed: list[str] = []

@@ -30,15 +30,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
+import common as C
 
-from consumers.batch import Batch, collate  # noqa: E402
-from consumers.learner import Learner  # noqa: E402
-from streamer.config import TrainerSection  # noqa: E402
+from consumers.batch import Batch, collate
+from consumers.learner import Learner
+from streamer.config import TrainerSection
 
 VOCAB = 512
 SIDES = ("padded", "bucketed", "packed")

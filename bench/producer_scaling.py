@@ -26,14 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
+import common as C
 
-from producers.fake_server import FakeCompletionsServer, canned  # noqa: E402
-from streamer.admission import Admission  # noqa: E402
-from streamer.connection import connect  # noqa: E402
+from producers.fake_server import FakeCompletionsServer, canned
+from streamer.admission import Admission
+from streamer.connection import connect
 
 GOAL = 3.5
 INFLIGHT_GOAL = 0.9

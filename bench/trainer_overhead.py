@@ -29,22 +29,20 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
-import torch  # noqa: E402
+import common as C
+import torch
 
-from consumers import losses  # noqa: E402
-from consumers import trainer as T  # noqa: E402
-from consumers.learner import BETAS, Learner  # noqa: E402
-from schemas import MetricsEvent, TrajectoryGroup  # noqa: E402
-from streamer.bus import entry, entry_event  # noqa: E402
-from streamer.config import RunConfig, replace  # noqa: E402
-from streamer.connection import connect  # noqa: E402
-from streamer.keys import Keys  # noqa: E402
-from streamer.server import EmbeddedServer  # noqa: E402
+from consumers import losses
+from consumers import trainer as T
+from consumers.learner import BETAS, Learner
+from schemas import MetricsEvent, TrajectoryGroup
+from streamer.bus import entry, entry_event
+from streamer.config import RunConfig, replace
+from streamer.connection import connect
+from streamer.keys import Keys
+from streamer.server import EmbeddedServer
 
 GOAL = 1.10
 VOCAB = 512
