@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     results: dict[str, list[dict]] = {side: [] for side in SIDES}
     cleanups: list[threading.Thread] = []
+    common = dict(args=args, cleanups=cleanups)
     backend, latency = backend_of(args)
     with (
         tempfile.TemporaryDirectory(prefix="streamer-async-") as tmp,
@@ -247,14 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             for side in C.alternate(list(SIDES), r):
                 t0 = time.monotonic()
-                res = run_side(
-                    SIDES[side],
-                    url=url,
-                    sampler_url=sampler.url,
-                    workdir=Path(tmp),
-                    args=args,
-                    cleanups=cleanups,
-                )
+                res = run_side(SIDES[side], url=url, sampler_url=sampler.url, workdir=Path(tmp), **common)
                 results[side].append(res)
                 print(
                     f"  repeat {r + 1} {side:>5}: {res['rate']:.2f} groups/s (run "
