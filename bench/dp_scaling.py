@@ -77,16 +77,10 @@ def side(args: argparse.Namespace, nproc: int, out: Path) -> dict:
     own = [f"--{k}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
     own += ["--fsdp"] if args.fsdp and nproc > 1 else []
     script = [str(Path(__file__).resolve()), *own, f"--out={out}"]
-    cmd = [sys.executable, *script]
-    if nproc > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *script,
-        ]
+    torchrun = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    )
+    cmd = [sys.executable, *torchrun, *script]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(C.ROOT), "STREAMER_DP_WORKER": "1"}
     subprocess.run(cmd, check=True, env=env)
     return json.loads(out.read_text())
