@@ -113,18 +113,19 @@ def precision(dev: torch.device) -> None:
         )
 
 
+def log_weights(model, precision: str) -> torch.Tensor:
+    """The log importance weights (trainer's log-probs at ``precision`` minus the sampler's)
+    of the trained tokens of 6 groups ``model`` sampled."""
+    learner = Learner(copy.deepcopy(model), TrainerSection(precision=precision), temperature=T)
+    batch, _ = learner.prepare(collate(groups(model, n=6)).to(learner.device))
+    return (batch.prox_logp - batch.sampler_logp)[batch.weights > 0]
+
+
 def consistency(dev: torch.device) -> None:
-    model = demo.build_model(0).to(dev)
-    learner = Learner(copy.deepcopy(model), TrainerSection(precision="float32"), temperature=T)
-    batch, _ = learner.prepare(collate(groups(model, n=6)).to(dev))
-    w = (batch.prox_logp - batch.sampler_logp)[batch.weights > 0].exp()
-    err = float((w - 1).abs().max())
+    err = float((log_weights(demo.build_model(0).to(dev), "float32").exp() - 1).abs().max())
     check("on-policy importance weight is 1 at T=0.7 (float32)", err <= 1e-5, f"max |w-1| {err:.2e}")
     if dev.type == "cuda" and torch.cuda.is_bf16_supported():
-        half = demo.build_model(0).to(torch.bfloat16).to(dev)
-        learner = Learner(copy.deepcopy(half), TrainerSection(precision="auto"), temperature=T)
-        batch, _ = learner.prepare(collate(groups(half, n=6)).to(dev))
-        d = (batch.prox_logp - batch.sampler_logp)[batch.weights > 0]
+        d = log_weights(demo.build_model(0).to(torch.bfloat16).to(dev), "auto")
         k3 = float((d.exp() - 1 - d).mean())
         check(
             "bfloat16 sampler vs bfloat16-autocast trainer",
