@@ -60,6 +60,15 @@ from streamer.connection import connect
 from streamer.keys import Keys
 
 SIDES = {"sync": 0, "async": 2}  # side name -> trainer.max_staleness
+COLUMNS = {  # table column -> what run_side measures
+    "groups/s": "rate",
+    "s/step": "step_s",
+    "train s": "train_s",
+    "sampling s": "sampling_s",
+    "data wait s": "wait_s",
+    "mean lag": "staleness",
+    "rejected": "rejected",
+}
 AREAL = 2.77
 
 
@@ -229,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     results: dict[str, list[dict]] = {side: [] for side in SIDES}
     cleanups: list[threading.Thread] = []
+    common = dict(args=args, cleanups=cleanups)
     backend, latency = backend_of(args)
     with (
         tempfile.TemporaryDirectory(prefix="streamer-async-") as tmp,
@@ -238,14 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             for side in C.alternate(list(SIDES), r):
                 t0 = time.monotonic()
-                res = run_side(
-                    SIDES[side],
-                    url=url,
-                    sampler_url=sampler.url,
-                    workdir=Path(tmp),
-                    args=args,
-                    cleanups=cleanups,
-                )
+                res = run_side(SIDES[side], url=url, sampler_url=sampler.url, workdir=Path(tmp), **common)
                 results[side].append(res)
                 print(
                     f"  repeat {r + 1} {side:>5}: {res['rate']:.2f} groups/s (run "
@@ -262,36 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(a step's {args.groups_per_step} groups x G={args.group_size}: ~{sampling:.2f} s of sampling), "
         f"{args.steps} steps after {args.warmup} warm-up, median of {args.repeats} repeats"
     )
-    rows = []
-    for side, staleness in SIDES.items():
-        med = {k: C.median([r[k] for r in results[side]]) for k in results[side][0]}
-        rows.append(
-            [
-                side,
-                staleness,
-                med["rate"],
-                med["step_s"],
-                med["train_s"],
-                med["sampling_s"],
-                med["wait_s"],
-                med["staleness"],
-                med["rejected"],
-            ]
-        )
-    C.print_table(
-        [
-            "side",
-            "max_staleness",
-            "groups/s",
-            "s/step",
-            "train s",
-            "sampling s",
-            "data wait s",
-            "mean lag",
-            "rejected",
-        ],
-        rows,
-    )
+    rows = [
+        [side, staleness, *(C.median([r[k] for r in results[side]]) for k in COLUMNS.values())]
+        for side, staleness in SIDES.items()
+    ]
+    C.print_table(["side", "max_staleness", *COLUMNS], rows)
     print(
         "s/step: wall time per step; train s: the trainer step (learner.train_step); sampling s: "
         "a step's groups / producers x the median time a producer's sample request took"

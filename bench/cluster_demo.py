@@ -14,23 +14,20 @@ Prints the run's steps, wall time, held-out eval accuracy and the failover's tim
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import msgspec
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import common as C
 
-from streamer import demo  # noqa: E402
-from streamer.config import replace, to_toml  # noqa: E402
-from streamer.connection import connect  # noqa: E402
-from streamer.keys import Keys  # noqa: E402
-from streamer.server import LocalCluster  # noqa: E402
+from streamer import demo
+from streamer.config import replace
+from streamer.connection import connect
+from streamer.keys import Keys
+from streamer.server import LocalCluster
 
 
 def wait(cond, timeout: float, what: str):
@@ -45,35 +42,27 @@ def wait(cond, timeout: float, what: str):
     sys.exit(f"{what}: not within {timeout:.0f}s")
 
 
-def run(args, d: Path, cluster: LocalCluster, keys: Keys) -> tuple[dict, float, dict]:
-    """`streamer up` on the cluster (and the failover, if asked); its curve, wall time, failover."""
+def run(args, d: Path, cluster: LocalCluster, keys: Keys) -> tuple[dict, dict]:
+    """`streamer up` on the cluster (and the failover, if asked); its curve and the failover."""
     cfg = replace(demo.config(), run={"name": keys.run}, bus={"min_replicas": 1})
-    config = d / "run.toml"
-    config.write_text(to_toml(msgspec.to_builtins(cfg)))
-    argv = [sys.executable, "-m", "streamer", "up", "--config", str(config), "--fresh", "--no-progress"]
-    argv += ["--redis-url", cluster.url, "--data-dir", str(d), "--steps", str(args.steps)]
     failover: dict = {}
-    began = time.monotonic()
-    with open(d / "up.log", "w+") as log:
-        up = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        if args.failover:
-            client = connect(cluster.url)
-            wait(lambda: client.xlen(keys.policy) > args.failover, 1800, f"version {args.failover}")
-            victim = cluster.master_of(keys.traj)
-            victim.kill()
-            killed = time.monotonic()
-            wait(lambda: cluster.master_of(keys.traj) != victim, 120, "the replica promoted")
-            failover["promoted_after_s"] = round(time.monotonic() - killed, 2)
-            victim.start()
-            wait(lambda: cluster.replica_in_sync(victim), 120, "the old master back as a replica")
-            failover["old_master_back_after_s"] = round(time.monotonic() - killed, 2)
-            failover["at_version"] = args.failover
-        code = up.wait(3600)
-        wall = time.monotonic() - began
-        log.seek(0)
-        if code != 0:
-            sys.exit(f"streamer up exited {code}:\n{log.read()[-3000:]}")
-    return json.loads((d / keys.run / "curve.json").read_text()), wall, failover
+
+    def fail_over() -> None:
+        client = connect(cluster.url)
+        wait(lambda: client.xlen(keys.policy) > args.failover, 1800, f"version {args.failover}")
+        victim = cluster.master_of(keys.traj)
+        victim.kill()
+        killed = time.monotonic()
+        wait(lambda: cluster.master_of(keys.traj) != victim, 120, "the replica promoted")
+        failover["promoted_after_s"] = round(time.monotonic() - killed, 2)
+        victim.start()
+        wait(lambda: cluster.replica_in_sync(victim), 120, "the old master back as a replica")
+        failover["old_master_back_after_s"] = round(time.monotonic() - killed, 2)
+        failover["at_version"] = args.failover
+
+    extra = ["--redis-url", cluster.url, "--steps", str(args.steps)]
+    curve = C.run_up(cfg, d, *extra, timeout=3600, during=fail_over if args.failover else None)
+    return curve, failover
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,14 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="streamer-cluster-") as tmp:
         d = Path(tmp)
         with LocalCluster(d / "cluster", masters=3, replicas=1, node_timeout=args.node_timeout) as cluster:
-            curve, wall, failover = run(args, d, cluster, keys)
+            curve, failover = run(args, d, cluster, keys)
     evals = {int(v): a for v, a in curve["eval_accuracy_by_version"].items()}
     last = max(evals) if evals else None
     print(
         f"cluster: 3 masters + 1 replica each, bus.min_replicas 1, cluster-node-timeout {args.node_timeout:g}s"
     )
     print(f"steps trained      {curve['steps']}")
-    print(f"wall time          {wall:.0f}s (up: {curve['wall_seconds']:.0f}s)")
+    print(f"wall time          {curve['wall']:.0f}s (up: {curve['wall_seconds']:.0f}s)")
     print(f"held-out accuracy  {evals.get(last, float('nan')):.2f} at version {last}")
     print(f"reached 0.8        {curve['reached_seconds']}")
     if failover:

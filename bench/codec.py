@@ -29,6 +29,7 @@ import pickle  # ONLY as a baseline we compare against; never on the wire
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -67,21 +68,16 @@ def packed_tensor_ready(group: dict) -> tuple[np.ndarray, np.ndarray]:
     return ids, lps
 
 
+@dataclass(frozen=True)
 class Format:
     """How one format turns a group into bytes, bytes into an object, an object into arrays."""
 
-    def __init__(
-        self,
-        name: str,
-        prepare: Callable,
-        enc: Callable,
-        dec: Callable,
-        arrays: Callable,
-        *,
-        slow: bool = False,
-    ):
-        self.name, self.prepare, self.enc, self.dec, self.arrays = name, prepare, enc, dec, arrays
-        self.slow = slow  # measured on a share of the groups (--slow-share) to bound the run
+    name: str
+    prepare: Callable
+    enc: Callable
+    dec: Callable
+    arrays: Callable
+    slow: bool = False  # measured on a share of the groups (--slow-share) to bound the run
 
 
 FORMATS = [
@@ -142,19 +138,8 @@ def bench_size(args, tokens: int) -> tuple[list, dict[str, float]]:
         enc, dec, arr = (C.median([run[i] for run in runs[f.name]]) for i in range(3))
         size = runs[f.name][0][3]
         enc_dec[f.name] = (enc + dec) / len(objs[f.name])  # seconds per group
-        t = total[f.name]
-        rows.append(
-            [
-                tokens,
-                f.name,
-                len(objs[f.name]),
-                size / 1000,
-                C.mb(t / enc),
-                C.mb(t / dec),
-                C.mb(t / (enc + dec)),
-                C.mb(t / (enc + dec + arr)),
-            ]
-        )
+        speeds = [C.mb(total[f.name] / seconds) for seconds in (enc, dec, enc + dec, enc + dec + arr)]
+        rows.append([tokens, f.name, len(objs[f.name]), size / 1000, *speeds])
     return rows, enc_dec
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import statistics
@@ -22,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from schemas import Sample, TrajectoryGroup  # noqa: E402
-from streamer.config import write_toml  # noqa: E402
+from streamer.config import to_toml, write_toml  # noqa: E402
 from streamer.connection import connect  # noqa: E402
 from streamer.keys import Keys  # noqa: E402
 from streamer.server import EmbeddedServer  # noqa: E402
@@ -248,6 +250,27 @@ def group(i: int, samples: list[Sample]) -> TrajectoryGroup:
     )
 
 
+def random_group(i: int, rng, *, prompt: int, completions: Sequence[int], vocab: int) -> TrajectoryGroup:
+    """Group ``i`` of random tokens (ids from 2 up: 0 pads, 1 ends), drawn from ``rng`` (a
+    ``random.Random``): a prompt of ``prompt`` tokens and a completion of each length in
+    ``completions``, sampler log-probs -5 to -7, rewards 0, 1, 0, ... (no zero variance)."""
+    prompt_ids = [rng.randrange(2, vocab) for _ in range(prompt)]
+    samples = []
+    for j, length in enumerate(completions):
+        ids = [rng.randrange(2, vocab) for _ in range(length)]
+        samples.append(
+            Sample.build(
+                prompt_ids=prompt_ids,
+                completion_ids=ids,
+                logprobs=[-rng.uniform(5.0, 7.0) for _ in ids],
+                reward=float(j % 2),
+                finish_reason="stop",
+                version=0,
+            )
+        )
+    return group(i, samples)
+
+
 def sampled_group(i: int, prompt: list[int], completions) -> TrajectoryGroup:
     """Group ``i`` of what a sampler returned for ``prompt`` (a list of ``Completion``), as
     sampled by version 0; rewards alternate 0, 1, 0, ... so no group has zero variance."""
@@ -304,6 +327,72 @@ def plain_tensor_ready(group: dict) -> tuple[np.ndarray, np.ndarray]:
     return ids, lps
 
 
+# ---------------------------------------------------------------- models and trainer steps
+
+
+def qwen2(*, vocab: int, hidden: int, layers: int, seq: int, heads: int, kv_heads=0, tie=False, seed=0):
+    """An untrained Qwen2 built from a config (MLP 3 x ``hidden``, token 0 pads, 1 ends),
+    deterministic for ``seed``; ``kv_heads`` 0: as many as ``heads``."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads,
+        max_position_embeddings=seq,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def random_batch(rows: int, seq: int, *, vocab: int, prompt: int, logp: float = 0.0):
+    """The same ``Batch`` every call: ``rows`` rows of ``seq`` random tokens, the first
+    ``prompt`` of each not trained, sampler log-probs between ``logp`` - 1 and ``logp``."""
+    import torch
+
+    from consumers.batch import Batch
+
+    g = torch.Generator().manual_seed(1)
+    return Batch(
+        input_ids=torch.randint(0, vocab, (rows, seq), generator=g),
+        attention_mask=torch.ones(rows, seq, dtype=torch.int64),
+        weights=torch.cat([torch.zeros(rows, prompt), torch.ones(rows, seq - 1 - prompt)], 1),
+        sampler_logp=logp - torch.rand(rows, seq - 1, generator=g),
+        advantages=torch.randn(rows, generator=g),
+    )
+
+
+def sync(device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device; nothing to wait for elsewhere)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def train_steps(learner, batch, steps: int) -> tuple[float, dict[str, float]]:
+    """Seconds ``steps`` calls of ``learner.train_step(batch)`` took after one warm-up call
+    (on CUDA: synchronised, the peak memory counted from there), and the last call's metrics."""
+    import torch
+
+    learner.train_step(batch)
+    sync(learner.device)
+    if learner.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(learner.device)
+    began = time.perf_counter()
+    for _ in range(steps):
+        metrics = learner.train_step(batch)
+    sync(learner.device)
+    return time.perf_counter() - began, metrics
+
+
 # ---------------------------------------------------------------- timing and reporting
 
 
@@ -314,13 +403,6 @@ def alternate(sides: Sequence[str], repeat: int) -> list[str]:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds one call of ``fn`` took."""
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
@@ -381,6 +463,32 @@ def spawn_role(
         return subprocess.Popen(cmd, cwd=config.parent, env=env)
     with open(log, "ab") as fh:
         return subprocess.Popen(cmd, cwd=config.parent, env=env, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def run_up(cfg, workdir: Path, *extra: str, timeout: float, during: Callable[[], None] | None = None) -> dict:
+    """`streamer up --fresh` of ``cfg`` (a RunConfig) with its data in ``workdir`` and
+    ``extra`` arguments, its output in ``workdir/up.log``; ``during()`` is called once it has
+    started. Past ``timeout`` seconds it is stopped as by Ctrl-C (its curve still recorded).
+    Returns the curve it recorded (curve.json) with ``wall``: the seconds it ran."""
+    config = workdir / "run.toml"
+    config.write_text(to_toml(msgspec.to_builtins(cfg)))
+    argv = [sys.executable, "-m", "streamer", "up", "--config", str(config), "--fresh", "--no-progress"]
+    argv += ["--data-dir", str(workdir), *extra]
+    began = time.monotonic()
+    with open(workdir / "up.log", "w+") as log:
+        up = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        if during is not None:
+            during()
+        try:
+            up.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            up.terminate()
+            up.wait(timeout=120)
+        if up.returncode not in (0, 130):
+            log.seek(0)
+            sys.exit(f"streamer up exited {up.returncode}:\n{log.read()[-4000:]}")
+    curve = json.loads((workdir / cfg.run.name / "curve.json").read_text())
+    return {**curve, "wall": time.monotonic() - began}
 
 
 def stop_processes(procs, grace: float = 20.0) -> None:

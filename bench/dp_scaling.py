@@ -24,11 +24,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as C
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -41,17 +41,15 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     p.add_argument("--micro", type=int, default=4, help="trainer.micro_batch_size")
     p.add_argument("--fsdp", action="store_true", help="shard the N-rank side (FSDP2) instead of replicating")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
     p.add_argument("--out", help=argparse.SUPPRESS)  # a rank's result file (internal)
-    return p.parse_args(argv)
+    smoke = dict(hidden=64, layers=1, seq=32, rows=8, steps=1)
+    return C.parse_args(p, argv, quick="tiny sizes (the smoke test)", **smoke)
 
 
 def worker(args: argparse.Namespace) -> None:
     """One side (one process, or every rank under torchrun): time the steps."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from consumers.batch import Batch
     from consumers.distributed import DataParallel
     from consumers.learner import Learner
     from streamer.config import TrainerSection
@@ -59,38 +57,12 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1 if not torch.cuda.is_available() else torch.get_num_threads())
     dp = DataParallel.init(sharded=args.fsdp)
     device = dp.device if dp else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
     heads = max(args.hidden // 64, 2)
-    config = Qwen2Config(
-        vocab_size=1024,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=args.seq,
-    )
-    model = AutoModelForCausalLM.from_config(config).to(device)
+    model = C.qwen2(vocab=1024, hidden=args.hidden, layers=args.layers, seq=args.seq, heads=heads)
     cfg = TrainerSection(micro_batch_size=args.micro, ppo_minibatches=1, lr=1e-5)
-    learner = Learner(model, cfg, dp=dp)
-    g = torch.Generator().manual_seed(1)
-    rows, t = args.rows, args.seq
-    batch = Batch(
-        input_ids=torch.randint(0, 1024, (rows, t), generator=g),
-        attention_mask=torch.ones(rows, t, dtype=torch.int64),
-        weights=torch.cat([torch.zeros(rows, t // 2), torch.ones(rows, t - 1 - t // 2)], 1),
-        sampler_logp=-torch.rand(rows, t - 1, generator=g),
-        advantages=torch.randn(rows, generator=g),
-    )
-    learner.train_step(batch)  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        learner.train_step(batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    learner = Learner(model.to(device), cfg, dp=dp)
+    batch = C.random_batch(args.rows, args.seq, vocab=1024, prompt=args.seq // 2)
+    seconds, _ = C.train_steps(learner, batch, args.steps)
     if dp is None or dp.rank == 0:
         tokens = args.steps * batch.num_tokens
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -105,17 +77,11 @@ def side(args: argparse.Namespace, nproc: int, out: Path) -> dict:
     own = [f"--{k}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
     own += ["--fsdp"] if args.fsdp and nproc > 1 else []
     script = [str(Path(__file__).resolve()), *own, f"--out={out}"]
-    cmd = [sys.executable, *script]
-    if nproc > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *script,
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "STREAMER_DP_WORKER": "1"}
+    torchrun = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    )
+    cmd = [sys.executable, *torchrun, *script]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(C.ROOT), "STREAMER_DP_WORKER": "1"}
     subprocess.run(cmd, check=True, env=env)
     return json.loads(out.read_text())
 
@@ -125,8 +91,6 @@ def main(argv=None) -> int:
     if os.environ.get("STREAMER_DP_WORKER"):
         worker(args)
         return 0
-    if args.quick:
-        args.hidden, args.layers, args.seq, args.rows, args.steps = 64, 1, 32, 8, 1
     with tempfile.TemporaryDirectory() as tmp:
         one = side(args, 1, Path(tmp) / "one.json")
         many = side(args, args.nproc, Path(tmp) / "many.json")
@@ -140,10 +104,10 @@ def main(argv=None) -> int:
             f"{name:34s} {r['tokens'] / r['seconds']:>12,.0f} trained tokens/s  ({r['seconds']:.2f}s{peak})"
         )
     speedup = (many["tokens"] / many["seconds"]) / (one["tokens"] / one["seconds"])
-    line = f"ratios: dp_speedup={speedup:.2f}x (ideal {args.nproc}x)"
+    ratios = {"dp_speedup": speedup}
     if args.fsdp and one["peak_bytes"]:
-        line += f"  memory_per_rank={many['peak_bytes'] / one['peak_bytes']:.2f}x"
-    print(line)
+        ratios["memory_per_rank"] = many["peak_bytes"] / one["peak_bytes"]
+    C.print_ratios(ratios, goals={"dp_speedup": f"ideal {args.nproc}x"})
     return 0
 
 

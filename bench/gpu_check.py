@@ -26,23 +26,23 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
+import common as C
 
-from consumers.batch import Batch, collate  # noqa: E402
-from consumers.learner import Learner  # noqa: E402
-from producers.samplers import LocalSampler  # noqa: E402
-from schemas import TrajectoryGroup  # noqa: E402
-from streamer import demo  # noqa: E402
-from streamer.config import TrainerSection  # noqa: E402
+from consumers.batch import collate
+from consumers.learner import Learner
+from producers.render import Renderer
+from producers.samplers import LocalSampler
+from schemas import TrajectoryGroup
+from streamer import demo
+from streamer.config import TrainerSection
 
 T = 0.7
 failed: list[str] = []
@@ -54,16 +54,18 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         failed.append(name)
 
 
+def prompts(n: int, start: int = 0) -> list[list[int]]:
+    """Prompt token ids of ``n`` of the demo's training rows from ``start``."""
+    renderer = Renderer(demo.tokenizer())
+    return [renderer.render(row) for row in demo.rows("train")[start : start + n]]
+
+
 def groups(model, n: int = 4, seed: int = 0) -> list[TrajectoryGroup]:
     """n demo groups sampled by ``model`` where it lives, rewards alternating 0/1."""
     tok = demo.tokenizer()
     sampler = LocalSampler(model, stop_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
     out = []
-    for i, row in enumerate(demo.rows("train")[seed : seed + n]):
-        prompt = tok.apply_chat_template(
-            row["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        prompt = list(prompt)
+    for i, prompt in enumerate(prompts(n, seed)):
         done = sampler.sample(prompt, n=8, temperature=T, top_p=1.0, max_new_tokens=6, seed=seed + i)
         out.append(C.sampled_group(i, prompt, done))
     return out
@@ -111,18 +113,19 @@ def precision(dev: torch.device) -> None:
         )
 
 
+def log_weights(model, precision: str) -> torch.Tensor:
+    """The log importance weights (trainer's log-probs at ``precision`` minus the sampler's)
+    of the trained tokens of 6 groups ``model`` sampled."""
+    learner = Learner(copy.deepcopy(model), TrainerSection(precision=precision), temperature=T)
+    batch, _ = learner.prepare(collate(groups(model, n=6)).to(learner.device))
+    return (batch.prox_logp - batch.sampler_logp)[batch.weights > 0]
+
+
 def consistency(dev: torch.device) -> None:
-    model = demo.build_model(0).to(dev)
-    learner = Learner(copy.deepcopy(model), TrainerSection(precision="float32"), temperature=T)
-    batch, _ = learner.prepare(collate(groups(model, n=6)).to(dev))
-    w = (batch.prox_logp - batch.sampler_logp)[batch.weights > 0].exp()
-    err = float((w - 1).abs().max())
+    err = float((log_weights(demo.build_model(0).to(dev), "float32").exp() - 1).abs().max())
     check("on-policy importance weight is 1 at T=0.7 (float32)", err <= 1e-5, f"max |w-1| {err:.2e}")
     if dev.type == "cuda" and torch.cuda.is_bf16_supported():
-        half = demo.build_model(0).to(torch.bfloat16).to(dev)
-        learner = Learner(copy.deepcopy(half), TrainerSection(precision="auto"), temperature=T)
-        batch, _ = learner.prepare(collate(groups(half, n=6)).to(dev))
-        d = (batch.prox_logp - batch.sampler_logp)[batch.weights > 0]
+        d = log_weights(demo.build_model(0).to(torch.bfloat16).to(dev), "auto")
         k3 = float((d.exp() - 1 - d).mean())
         check(
             "bfloat16 sampler vs bfloat16-autocast trainer",
@@ -133,41 +136,14 @@ def consistency(dev: torch.device) -> None:
 
 def throughput(dev: torch.device, *, hidden: int, layers: int, seq: int, rows: int) -> float:
     """bfloat16-autocast over float32 trained tokens/s."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
     results = {}
     for setting in ("float32", "bfloat16"):
-        torch.manual_seed(0)
-        config = Qwen2Config(
-            vocab_size=32000,
-            hidden_size=hidden,
-            intermediate_size=hidden * 3,
-            num_hidden_layers=layers,
-            num_attention_heads=hidden // 64,
-            num_key_value_heads=hidden // 64,
-            max_position_embeddings=seq,
-        )
-        model = AutoModelForCausalLM.from_config(config).to(dev)
+        model = C.qwen2(vocab=32000, hidden=hidden, layers=layers, seq=seq, heads=hidden // 64).to(dev)
         params = sum(p.numel() for p in model.parameters())
         learner = Learner(model, TrainerSection(micro_batch_size=4, lr=1e-5, precision=setting))
-        g = torch.Generator().manual_seed(1)
-        batch = Batch(
-            input_ids=torch.randint(0, 32000, (rows, seq), generator=g),
-            attention_mask=torch.ones(rows, seq, dtype=torch.int64),
-            weights=torch.cat([torch.zeros(rows, seq // 4), torch.ones(rows, seq - 1 - seq // 4)], 1),
-            sampler_logp=-torch.rand(rows, seq - 1, generator=g) - 10,
-            advantages=torch.randn(rows, generator=g),
-        )
-        learner.train_step(batch)  # warm-up
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-        steps, began = 3, time.perf_counter()
-        for _ in range(steps):
-            m = learner.train_step(batch)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        seconds = time.perf_counter() - began
+        batch = C.random_batch(rows, seq, vocab=32000, prompt=seq // 4, logp=-10.0)
+        steps = 3
+        seconds, m = C.train_steps(learner, batch, steps)
         peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
         results[setting] = steps * batch.num_tokens / seconds
         check(
@@ -190,17 +166,13 @@ def vllm_section(dev: torch.device, workdir: Path) -> None:
     if vllm_server.python() is None:
         print("skip vllm: no vLLM virtualenv (python3 dev.py vllm)", flush=True)
         return
-    tok = demo.tokenizer()
-    prompts = [
-        tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
-        for r in demo.rows("train")[:4]
-    ]
+    tok, served = demo.tokenizer(), prompts(4)
     model_dir = demo.save_for_engine(workdir / "model", seed=0)
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
     server = vllm_server.VllmServer(model_dir, log_path=workdir / "vllm.log", port=free_port(), dtype=dtype)
     server.start()
     try:
-        ready = server.wait_ready(prompts[0], timeout=600)
+        ready = server.wait_ready(served[0], timeout=600)
         check("vllm: first completion", True, f"{ready:.0f}s after start ({dtype})")
         sampler = RemoteSampler(
             base_url=server.url, model=str(model_dir), stop_ids=[tok.eos_token_id], engine=engines.Vllm()
@@ -208,7 +180,7 @@ def vllm_section(dev: torch.device, workdir: Path) -> None:
 
         def worst(model) -> tuple[float, float]:
             errs, kls = [], []
-            for p in prompts:
+            for p in served:
                 for c in sampler.sample(p, n=4, temperature=1.0, top_p=1.0, max_new_tokens=4):
                     ids = torch.tensor([p + list(c.token_ids)], device=dev)
                     half = dtype != "float32"
@@ -259,8 +231,6 @@ def main(argv=None) -> int:
     consistency(dev)
     ratio = throughput(dev, hidden=args.hidden, layers=args.layers, seq=args.seq, rows=args.rows)
     if not args.no_vllm and not args.quick:
-        import tempfile
-
         with tempfile.TemporaryDirectory(prefix="gpu-check-vllm-") as workdir:
             vllm_section(dev, Path(workdir))
     print(f"{len(failed)} failed: {', '.join(failed)}" if failed else "all ok")

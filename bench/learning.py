@@ -20,66 +20,42 @@ goal: max_staleness 2 (asynchronous) needs no more than 1.1x the samples of max_
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import msgspec
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import common as C
 
-from streamer import demo  # noqa: E402
-from streamer.config import replace, to_toml  # noqa: E402
-from streamer.config_trainer import LOSS_KEYS  # noqa: E402
+from streamer import demo
+from streamer.config import replace
+from streamer.config_trainer import LOSS_KEYS
 
 TARGET = 0.8
 GOAL = 1.1
 
 
-def config_toml(*, loss: str, staleness: int, seed: int, steps: int, eval_every: int) -> bytes:
-    cfg = demo.config()
-    cfg = replace(
-        cfg,
+def config(*, loss: str, staleness: int, seed: int, steps: int, eval_every: int):
+    return replace(
+        demo.config(),
         run={"seed": seed},
         trainer={"loss": loss, "max_staleness": staleness, "steps": steps},
         eval={"eval_every": eval_every},
     )
-    return to_toml(msgspec.to_builtins(cfg)).encode()
 
 
 def run_cell(*, loss: str, staleness: int, seed: int, args) -> dict:
     """One `streamer up` run; its curve plus the samples it needed (None: never reached)."""
+    cfg = config(loss=loss, staleness=staleness, seed=seed, steps=args.max_steps, eval_every=args.eval_every)
     with tempfile.TemporaryDirectory(prefix="streamer-learning-") as d:
-        path = Path(d) / "run.toml"
-        toml = config_toml(
-            loss=loss, staleness=staleness, seed=seed, steps=args.max_steps, eval_every=args.eval_every
-        )
-        path.write_bytes(toml)
         # stopped at the first eval at the target: what follows cannot change the figure, and
         # late in a run zero-variance filtering starves the trainer (tens of seconds a step)
-        argv = [sys.executable, "-m", "streamer", "up", "--config", str(path), "--fresh", "--no-progress"]
-        argv += ["--until-eval", str(TARGET)]
-        argv += ["--data-dir", d, "--producers", str(args.producers)]
-        began = time.monotonic()
-        with (Path(d) / "up.log").open("w+") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-            try:  # past the deadline the run stops as after Ctrl-C (exit 130), its curve recorded
-                proc.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-                proc.wait(timeout=120)
-            if proc.returncode not in (0, 130):
-                log.seek(0)
-                sys.exit(f"streamer up exited {proc.returncode}:\n{log.read()[-4000:]}")
-        curve = json.loads((Path(d) / "demo" / "curve.json").read_text())
-    group_size = demo.config().producer.group_size
-    return {**samples_to_target(curve, group_size), "seconds": time.monotonic() - began}
+        extra = ["--until-eval", str(TARGET), "--producers", str(args.producers)]
+        curve = C.run_up(cfg, Path(d), *extra, timeout=args.timeout)
+    return {**samples_to_target(curve, cfg.producer.group_size), "seconds": curve["wall"]}
 
 
 def samples_to_target(curve: dict, group_size: int) -> dict:
@@ -161,11 +137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--timeout", type=float, default=3600.0, help="seconds one run may take; then it counts as it stands"
     )
-    ap.add_argument("--quick", action="store_true", help="one loss, one seed, 20 steps (smoke)")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.losses, args.seeds, args.max_steps = ["grpo"], [0], 20
-    return args
+    smoke = dict(losses=["grpo"], seeds=[0], max_steps=20)
+    return C.parse_args(ap, argv, quick="one loss, one seed, 20 steps (smoke)", **smoke)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,22 +139,20 @@ def flood_run(url: str, client, args) -> tuple[list, dict]:
     group = C.make_groups(1, tokens=args.flood_tokens, group_size=args.group_size)[0]
     trainer = Consumer(client, keys, keys.traj, TRAINER_GROUP, "stalled", as_type=TrajectoryGroup, cfg=cfg)
     rows, peaks, resumes, base = [], [], [], used_memory(client)
+
+    def blocked(phase: str, seconds: float, resumed: str) -> None:
+        """Watch for ``seconds``, in two halves: the row of ``phase``, with what was published
+        in the second half (nothing, once the stream is full)."""
+        peak, _ = watch(client, keys.traj, flood, seconds / 2)
+        n = flood.published
+        peak2, _ = watch(client, keys.traj, flood, seconds / 2)
+        peaks.extend([peak, peak2])
+        memory = (used_memory(client) - base) / 1e6
+        rows.append([phase, flood.published, max(peak, peak2), flood.published - n, resumed, memory])
+
     try:
         with Flood(url, keys, cfg, group, args.producers) as flood:
-            peak, _ = watch(client, keys.traj, flood, args.stall)
-            n0 = flood.published
-            peak2, _ = watch(client, keys.traj, flood, args.stall)
-            peaks += [peak, peak2]
-            rows.append(
-                [
-                    "stalled",
-                    flood.published,
-                    max(peak, peak2),
-                    flood.published - n0,
-                    "-",
-                    (used_memory(client) - base) / 1e6,
-                ]
-            )
+            blocked("stalled", 2 * args.stall, "-")
             for cycle in range(args.cycles):
                 got = trainer.read(count=args.ack_batch, block=1.0)
                 before = flood.published
@@ -162,20 +160,8 @@ def flood_run(url: str, client, args) -> tuple[list, dict]:
                 trim_acked(client, keys.traj)  # the trainer trims what every group acknowledged
                 _, resumed = watch(client, keys.traj, flood, 5.0, until=lambda b=before: flood.published > b)
                 resumes.append(resumed)
-                peak, _ = watch(client, keys.traj, flood, args.stall / 2)
-                n1 = flood.published
-                peak2, _ = watch(client, keys.traj, flood, args.stall / 2)
-                peaks += [peak, peak2]
-                rows.append(
-                    [
-                        f"acked {len(got)} (cycle {cycle + 1})",
-                        flood.published,
-                        max(peak, peak2),
-                        flood.published - n1,
-                        "never" if resumed is None else f"{resumed * 1000:.0f} ms",
-                        (used_memory(client) - base) / 1e6,
-                    ]
-                )
+                after = "never" if resumed is None else f"{resumed * 1000:.0f} ms"
+                blocked(f"acked {len(got)} (cycle {cycle + 1})", args.stall, after)
     finally:
         C.drop_run(client, keys)
     ok_bound = max(peaks) <= limit + slack

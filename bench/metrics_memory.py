@@ -106,12 +106,12 @@ def run(args, url: str) -> dict:
         if step in (args.at, args.steps):
             settle(ex, written)
             info = client.info("memory")
-            points[step] = {
-                "used_memory": int(info["used_memory"]),
-                "metrics_xlen": int(client.xlen(keys.metrics)),
-                "policy_xlen": int(client.xlen(keys.policy)),
-                "snapshot_bytes": int(client.strlen(keys.metrics_snapshot)),
-                "events_written": written,
+            points[step] = {  # a row of the table, by column
+                "used_memory MB": C.mb(int(info["used_memory"])),
+                "metrics XLEN": int(client.xlen(keys.metrics)),
+                "policy XLEN": int(client.xlen(keys.policy)),
+                "snapshot bytes": int(client.strlen(keys.metrics_snapshot)),
+                "events written": written,
             }
     stop.set()
     thread.join(10)
@@ -137,21 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     with C.server_url(args) as url:
         res = run(args, url)
     pts = res["points"]
-    rows = [
-        [
-            step,
-            C.mb(p["used_memory"]),
-            p["metrics_xlen"],
-            p["policy_xlen"],
-            p["snapshot_bytes"],
-            p["events_written"],
-        ]
-        for step, p in sorted(pts.items())
-    ]
-    C.print_table(
-        ["step", "used_memory MB", "metrics XLEN", "policy XLEN", "snapshot bytes", "events written"], rows
-    )
-    ratio = pts[args.steps]["used_memory"] / pts[args.at]["used_memory"]
+    C.print_table(["step", *pts[args.at]], [[step, *p.values()] for step, p in sorted(pts.items())])
+    ratio = pts[args.steps]["used_memory MB"] / pts[args.at]["used_memory MB"]
     print(f"largest metrics XLEN seen while writing: {res['max_xlen']}")
     print(
         f"exporter restarted from its snapshot: counters equal to the totals written: {res['restart_counters_equal']}"

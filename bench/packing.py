@@ -30,38 +30,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
+import common as C
 
-from consumers.batch import Batch, collate  # noqa: E402
-from consumers.learner import Learner  # noqa: E402
-from schemas import Sample  # noqa: E402
-from streamer.config import TrainerSection  # noqa: E402
+from consumers.batch import Batch, collate
+from consumers.learner import Learner
+from streamer.config import TrainerSection
 
 VOCAB = 512
 SIDES = ("padded", "bucketed", "packed")
-
-
-def build_model(*, hidden: int, layers: int, max_len: int, device: torch.device):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 32, 1),
-        num_key_value_heads=max(hidden // 64, 1),
-        max_position_embeddings=max_len,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).to(device)
 
 
 def length_mix(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
@@ -71,21 +49,13 @@ def length_mix(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
 
 
 def make_batch(rng: random.Random, lengths: list[int], group_size: int) -> Batch:
-    samples = []
-    for i, total in enumerate(lengths):
-        prompt = rng.randint(8, min(64, total // 2))
-        completion = [rng.randrange(2, VOCAB) for _ in range(total - prompt)]
-        samples.append(
-            Sample.build(
-                prompt_ids=[rng.randrange(2, VOCAB) for _ in range(prompt)],
-                completion_ids=completion,
-                logprobs=[-rng.uniform(5.0, 7.0) for _ in completion],
-                reward=float(i % 2),  # every group has both rewards: no zero advantages
-                finish_reason="stop",
-                version=0,
-            )
-        )
-    groups = [C.group(i, samples[i : i + group_size]) for i in range(0, len(samples), group_size)]
+    """Groups of ``group_size`` samples of the total ``lengths``, a prompt shared within a group."""
+    groups = []
+    for i in range(0, len(lengths), group_size):
+        totals = lengths[i : i + group_size]
+        prompt = rng.randint(8, min(64, min(totals) // 2))
+        completions = [total - prompt for total in totals]
+        groups.append(C.random_group(i, rng, prompt=prompt, completions=completions, vocab=VOCAB))
     return collate(groups)
 
 
@@ -117,7 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.rows * args.max_len  # the padded side's bound on tokens per micro-batch
     learners = {}
     for side in SIDES:  # one model each, same initial weights; lr tiny: every step the same work
-        model = build_model(hidden=args.hidden, layers=args.layers, max_len=args.max_len, device=dev)
+        heads, kv_heads = max(args.hidden // 32, 1), max(args.hidden // 64, 1)
+        model = C.qwen2(
+            vocab=VOCAB,
+            hidden=args.hidden,
+            layers=args.layers,
+            seq=args.max_len,
+            heads=heads,
+            kv_heads=kv_heads,
+            tie=True,
+        ).to(dev)
         learners[side] = learner_for(side, model, rows=args.rows, budget=budget)
     params = sum(p.numel() for p in learners["padded"].model.parameters())
     real = int(batch.attention_mask.sum())
@@ -131,12 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, list[float]] = {side: [] for side in SIDES}
     for repeat in range(args.repeats + 1):
         for side in C.alternate(SIDES, repeat):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            C.sync(dev)
             t0 = time.perf_counter()
             learners[side].train_step(batch)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            C.sync(dev)
             if repeat:  # the first round warms up
                 seconds[side].append(time.perf_counter() - t0)
     rows = []

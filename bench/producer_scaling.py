@@ -26,37 +26,28 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
+import common as C
 
-from producers.fake_server import FakeCompletionsServer, canned  # noqa: E402
-from streamer.admission import Admission  # noqa: E402
-from streamer.connection import connect  # noqa: E402
+from producers.fake_server import FakeCompletionsServer, canned
+from streamer.admission import Admission
+from streamer.connection import connect
 
 GOAL = 3.5
 INFLIGHT_GOAL = 0.9
 
 
-def measure(
-    n: int,
-    *,
-    redis_url: str,
-    sampler_url: str,
-    workdir: Path,
-    window: float,
-    warmup: float,
-    group_size: int,
-    concurrency: int = 1,
-) -> float:
-    """Groups per second published by ``n`` producer processes, ``concurrency`` rows each."""
+def measure(n: int, where: tuple[str, str, Path], args, *, concurrency: int = 1) -> float:
+    """Groups per second published by ``n`` producer processes, ``concurrency`` rows each;
+    ``where``: the server's URL, the fake sampler's and a working directory."""
+    redis_url, sampler_url, workdir = where
     keys = C.fresh_keys()
     client = connect(redis_url)
     gate = Admission(client, keys, max_staleness=0, groups_per_step=1)
     gate.publish_limits(max_staleness=0, groups_per_step=0)  # shut until every producer is up
     producer = C.remote_producer(
-        sampler_url, group_size=group_size, concurrency=concurrency, min_group_size=1
+        sampler_url, group_size=args.group_size, concurrency=concurrency, min_group_size=1
     )
     wide_open = {"trainer": {"groups_per_step": C.WIDE_OPEN}, "bus": {"max_unacked": C.WIDE_OPEN}}
     config = C.write_run_config(workdir, keys, redis_url, **wide_open, producer=producer)
@@ -68,9 +59,9 @@ def measure(
                 raise SystemExit(f"{n} producers did not start")
             time.sleep(0.1)
         gate.publish_limits(max_staleness=0, groups_per_step=C.WIDE_OPEN)
-        time.sleep(warmup)
+        time.sleep(args.warmup)
         start, t0 = client.xlen(keys.traj), time.monotonic()
-        time.sleep(window)
+        time.sleep(args.window)
         end, t1 = client.xlen(keys.traj), time.monotonic()
         return (end - start) / (t1 - t0)
     finally:
@@ -82,20 +73,13 @@ def measure(
 @contextlib.contextmanager
 def servers(args):
     """A fake sampler with fixed latency and a server (``--redis-url`` or a private one):
-    the arguments :func:`measure` takes besides N."""
+    where :func:`measure` runs."""
     with (
         tempfile.TemporaryDirectory() as tmp,
         FakeCompletionsServer(canned([10, 5]), latency=args.latency) as sampler,
         C.server_url(args) as url,
     ):
-        yield dict(
-            redis_url=url,
-            sampler_url=sampler.url,
-            workdir=Path(tmp),
-            window=args.window,
-            warmup=args.warmup,
-            group_size=args.group_size,
-        )
+        yield url, sampler.url, Path(tmp)
 
 
 def main() -> int:
@@ -113,7 +97,7 @@ def main() -> int:
         return inflight(args)
     counts = [1, 2, 4, 8] if args.with_8 else [1, 2, 4]
     began = time.monotonic()
-    with servers(args) as common:
+    with servers(args) as where:
         print(
             f"fixed sampler latency {args.latency * 1000:.0f} ms, G={args.group_size}, "
             f"window {args.window:.0f} s per N"
@@ -121,7 +105,7 @@ def main() -> int:
         print(f"{'producers':>9}  {'groups/s':>9}  {'vs 1':>6}  {'ideal':>6}")
         rates = {}
         for n in counts:
-            rates[n] = measure(n, **common)
+            rates[n] = measure(n, where, args)
             print(f"{n:>9}  {rates[n]:>9.2f}  {rates[n] / rates[1]:>5.2f}x  {n:>5}x", flush=True)
     ratio = rates[4] / rates[1]
     verdict = "meets" if ratio >= GOAL else "MISSES"
@@ -135,11 +119,11 @@ def main() -> int:
 def inflight(args) -> int:
     """One producer with ``args.inflight`` rows in flight vs that many single-flight producers."""
     k, began = args.inflight, time.monotonic()
-    with servers(args) as common:
+    with servers(args) as where:
         print(f"fixed sampler latency {args.latency * 1000:.0f} ms, G={args.group_size}, {k} in flight")
-        many = measure(k, **common)
+        many = measure(k, where, args)
         print(f"{k} producer processes, 1 row each: {many:.2f} groups/s", flush=True)
-        one = measure(1, concurrency=k, **common)
+        one = measure(1, where, args, concurrency=k)
         print(f"1 producer process, {k} rows in flight: {one:.2f} groups/s", flush=True)
     ratio = one / many
     verdict = "meets" if ratio >= INFLIGHT_GOAL else "MISSES"

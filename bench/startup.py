@@ -112,7 +112,8 @@ class Starter:
                 proc.communicate()
 
     def role(self, name: str, keys: Keys) -> float:
-        streamer = ["-m", "streamer", "--log-level", "WARNING"]
+        quiet = ["--log-level", "WARNING"]
+        streamer = ["-m", "streamer", *quiet]
         if name == "archive":
             archive = self.data / keys.run / "archive"
             written = lambda: any(f.stat().st_size for f in archive.glob("rollouts-*.jsonl.gz"))  # noqa: E731
@@ -122,17 +123,7 @@ class Starter:
             argv = [*streamer, "metrics", *self.common, "--port", str(port)]
             return self.until(argv, lambda: _serves(port), "the exporter")
         if name == "up":
-            argv = [
-                "-c",
-                UP,
-                "--log-level",
-                "WARNING",
-                "up",
-                *self.common,
-                "--no-progress",
-                "--producers",
-                "1",
-            ]
+            argv = ["-c", UP, *quiet, "up", *self.common, "--no-progress", "--producers", "1"]
             return self.until(argv, None, "up", line="streamer up: run")
         extra = ["--out", str(self.data / "run.png")] if name == "plot" else []
         return self.to_exit(*streamer, name, *self.common, *extra)

@@ -27,71 +27,43 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as C  # noqa: E402
-import torch  # noqa: E402
+import common as C
+import torch
 
-from consumers import losses  # noqa: E402
-from consumers import trainer as T  # noqa: E402
-from consumers.learner import BETAS, Learner  # noqa: E402
-from schemas import MetricsEvent, Sample, TrajectoryGroup  # noqa: E402
-from streamer.bus import entry, entry_event  # noqa: E402
-from streamer.config import RunConfig, replace  # noqa: E402
-from streamer.connection import connect  # noqa: E402
-from streamer.keys import Keys  # noqa: E402
-from streamer.server import EmbeddedServer  # noqa: E402
+from consumers import losses
+from consumers import trainer as T
+from consumers.learner import BETAS, Learner
+from schemas import MetricsEvent, TrajectoryGroup
+from streamer.bus import entry, entry_event
+from streamer.config import RunConfig, replace
+from streamer.connection import connect
+from streamer.keys import Keys
+from streamer.server import EmbeddedServer
 
 GOAL = 1.10
 VOCAB = 512
 
 
 def build_model(seed: int):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config)
+    return C.qwen2(vocab=VOCAB, hidden=256, layers=4, seq=256, heads=8, kv_heads=4, tie=True, seed=seed)
 
 
 def make_groups(n: int, *, group_size: int, completion: int, seed: int) -> list[TrajectoryGroup]:
     rng = random.Random(seed)
-    groups = []
-    for i in range(n):
-        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randint(12, 24))]
-        samples = [_sample(rng, prompt, completion) for _ in range(group_size)]
-        if len({s.reward for s in samples}) == 1:  # keep every group (no zero-variance rejects)
-            samples[0] = _sample(rng, prompt, completion, reward=1.0 - samples[0].reward)
-        groups.append(C.group(i, samples))
-    return groups
-
-
-def _sample(rng: random.Random, prompt: list[int], completion: int, reward: float | None = None) -> Sample:
-    ids = [rng.randrange(2, VOCAB) for _ in range(rng.randint(completion // 2, completion))]
-    return Sample.build(
-        prompt_ids=prompt,
-        completion_ids=ids,
-        logprobs=[-rng.uniform(5.0, 7.0) for _ in ids],
-        reward=float(rng.random() < 0.5) if reward is None else reward,
-        finish_reason="stop",
-        version=0,
-    )
+    return [
+        C.random_group(
+            i,
+            rng,
+            prompt=rng.randint(12, 24),
+            completions=[rng.randint(completion // 2, completion) for _ in range(group_size)],
+            vocab=VOCAB,
+        )
+        for i in range(n)
+    ]
 
 
 class BareLoop:
@@ -181,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "valkey") as server:
         cfg = replace(
             RunConfig(),
-            run={"name": f"bench{uuid.uuid4().hex[:8]}", "redis_url": server.url, "data_dir": tmp},
+            run={"name": C.fresh_keys().run, "redis_url": server.url, "data_dir": tmp},
             trainer={"groups_per_step": gps, "steps": total, "max_staleness": 10**6, "lr": 1e-5},
         )
         bare, cycles, events = paired_run(cfg, groups)

@@ -46,6 +46,7 @@ from streamer.config import BusSection
 from streamer.keys import TRAINER_GROUP
 
 READ_TIMEOUT = 30.0  # a side that cannot read back what it wrote within this fails loudly
+PER_GROUP = ["groups/s", "us/group", "client CPU", "server CPU"]  # the columns of both tables' sides
 MODES = {False: "publish, then consume, in one process", True: "producer and consumer processes at once"}
 
 # Each side is a publish half and a consume half, (client, keys) -> None, run one after the
@@ -79,15 +80,8 @@ def streamer_publish(
 
 def streamer_consume(client, keys, n: int, *, read_count: int) -> None:
     """Read ``n`` groups as the trainer does (decoded, validated), make arrays, ack."""
-    consumer = Consumer(
-        client,
-        keys,
-        keys.traj,
-        TRAINER_GROUP,
-        "bench",
-        as_type=TrajectoryGroup,
-        cfg=BusSection(read_count=read_count),
-    )
+    cfg = BusSection(read_count=read_count)
+    consumer = Consumer(client, keys, keys.traj, TRAINER_GROUP, "bench", as_type=TrajectoryGroup, cfg=cfg)
     got, deadline = 0, time.monotonic() + READ_TIMEOUT
     while got < n:
         deliveries = consumer.read(count=read_count, block=1.0)
@@ -111,15 +105,7 @@ def from_plain(d: dict) -> TrajectoryGroup:
         )
         for s in d["samples"]
     ]
-    return TrajectoryGroup(
-        group_id=d["group_id"],
-        row=d["row"],
-        epoch=d["epoch"],
-        producer_id=d["producer_id"],
-        samples=samples,
-        policy_version=d["policy_version"],
-        created_at=d["created_at"],
-    )
+    return C.group(d["row"], samples)
 
 
 # ---------------------------------------------------------------- the baselines
@@ -339,20 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 ratios[f"vs_raw_{tokens}"] = ratio
                 goals[f"vs_raw_{tokens}"] = C.verdict(ratio, at_least=0.90)
             print("\n1. streamer vs raw pipelined XADD/XREADGROUP/XACK of the same bytes")
-            C.print_table(
-                [
-                    "tokens",
-                    "side",
-                    "groups",
-                    "KB/group",
-                    "MB/s",
-                    "groups/s",
-                    "us/group",
-                    "client CPU",
-                    "server CPU",
-                ],
-                rows,
-            )
+            C.print_table(["tokens", "side", "groups", "KB/group", "MB/s", *PER_GROUP], rows)
         if args.only in (None, "pipelinerl"):
             rows = []
             for tokens in args.sizes:
@@ -366,10 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                 "\n2. streamer vs PipelineRL-style (pickled dict of lists, 1 XADD/group, "
                 "XREAD COUNT 1, lists -> arrays)"
             )
-            C.print_table(
-                ["tokens", "side", "groups", "KB/group", "groups/s", "us/group", "client CPU", "server CPU"],
-                rows,
-            )
+            C.print_table(["tokens", "side", "groups", "KB/group", *PER_GROUP], rows)
         client.close()
     print(
         f"took {time.monotonic() - began:.0f} s; CPU columns are us/group of this process and of the server"

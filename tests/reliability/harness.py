@@ -33,6 +33,8 @@ from streamer.keys import TRAINER_GROUP, Keys
 
 REPORT_ENV = "STREAMER_RELIABILITY_REPORT"
 AUDIT_GROUP = "audit"  # a second group on the trajectory stream: nothing it has not acked is trimmed
+# the trainer of the fault tests: small steps, a checkpoint every other step, nothing stale
+TRAINER = {"groups_per_step": 2, "checkpoint_every": 2, "max_staleness": 1000}
 
 
 def report(name: str, **figures) -> str:

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 from bounds import RUN, START
-from harness import report, run_config
+from harness import TRAINER, report, run_config
 from needs import need
 from trainer_data import make_group, publish
 from waits import wait_until
@@ -34,7 +34,6 @@ from streamer.keys import Keys
 
 pytestmark = pytest.mark.slow
 
-TRAINER = {"groups_per_step": 2, "checkpoint_every": 2, "max_staleness": 1000}
 LEAVE = 640 * 1024  # room for a policy version (~310 KB) but not a checkpoint (~930 KB)
 
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from bounds import RUN, START
-from harness import audit, audited_client, policy_version_list, report, run_config_in
+from harness import TRAINER, audit, audited_client, policy_version_list, report, run_config_in
 from waits import wait_until
 
 from consumers import checkpoint
@@ -23,8 +23,6 @@ from streamer.config import TrainerSection
 from streamer.connection import connect
 from streamer.keys import Keys
 from streamer.server import LocalCluster
-
-TRAINER = {"groups_per_step": 2, "checkpoint_every": 2, "max_staleness": 1000}
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import time
 import pytest
 import redis
 from bounds import RUN, START
-from harness import audit, audited_client, policy_version_list, report, run_config_in
+from harness import TRAINER, audit, audited_client, policy_version_list, report, run_config_in
 from waits import wait_until
 
 from consumers import checkpoint
@@ -31,7 +31,6 @@ from streamer.keys import Keys
 from streamer.server import EmbeddedServer, free_port
 
 LOSS_WINDOW = 4.0  # s: valkey's AOF write postponement (< 2 s of its 1 s clock) plus slack
-TRAINER = {"groups_per_step": 2, "checkpoint_every": 2, "max_staleness": 1000}
 NAMES = {
     "trainer": "streamer-trainer",
     "producer": "producer-p0",
