@@ -19,19 +19,16 @@ over the last 100 steps. Prints Markdown, then a ``ratios:`` line.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import msgspec
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import common as C
 
-from streamer import demo  # noqa: E402
-from streamer.config import replace, to_toml  # noqa: E402
+from streamer import demo
+from streamer.config import replace
 
 GOAL_SECONDS = 300.0
 GOAL_REJECTED = 3.0
@@ -40,16 +37,10 @@ LAST = 100  # steps at the end of a run the rejected figure covers
 
 def run_once(seed: int, steps: int, producers: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="streamer-demo-curve-") as d:
-        path = Path(d) / "run.toml"
         cfg = replace(demo.config(), run={"seed": seed}, trainer={"steps": steps})
-        path.write_bytes(to_toml(msgspec.to_builtins(cfg)).encode())
-        argv = [sys.executable, "-m", "streamer", "up", "--config", str(path), "--fresh", "--no-progress"]
-        argv += ["--data-dir", d, "--producers", str(producers)]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=ROOT)
-        if proc.returncode != 0:
-            sys.exit(f"streamer up exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        curve = json.loads((Path(d) / "demo" / "curve.json").read_text())
-        curve["ended"] = "nothing left to teach" if "nothing left to teach" in proc.stdout else "steps done"
+        curve = C.run_up(cfg, Path(d), "--producers", str(producers), timeout=3600)
+        said = (Path(d) / "up.log").read_text()
+        curve["ended"] = "nothing left to teach" if "nothing left to teach" in said else "steps done"
         return curve
 
 

@@ -85,9 +85,7 @@ class Trips:
             lease_seconds=p.lease_seconds,
             total_tickets=order.total_tickets(p.epochs),
             max_attempts=p.max_row_attempts,
-            defer_after=p.defer_after,
-            defer_failed_after=p.defer_failed_after,
-            revisit_share=p.revisit_share,
+            rule=rows.Rule(p.defer_after, p.defer_failed_after, p.revisit_share),
             n_rows=order.n_rows,
         )
         self.admission = Admission(
@@ -96,7 +94,7 @@ class Trips:
         self.bus = cfg.bus
         self.publisher = Publisher(client, self.keys, cfg.bus)
         self.source = f"producer-{producer_id}"
-        self.defers = p.defer_after > 0 or p.defer_failed_after > 0  # rows that teach nothing step aside
+        self.defers = self.leases.rule.on  # rows that teach nothing step aside
         self.cursor = -1  # the ticket cursor the last claim saw: where the next window starts
         self.rows = rows.RowCounts(order.n_rows, 0, 0)  # as the last reply said
         self.newest: WeightSync | None = None  # the newest policy, as the last claim said

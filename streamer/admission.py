@@ -67,6 +67,7 @@ from streamer.bus import FIELD, as_str
 from streamer.connection import TRANSIENT
 from streamer.errors import LeaseLost
 from streamer.keys import TRAINER_GROUP, Keys
+from streamer.rows import NEVER, Rule
 from streamer.stamp import Stamped
 from streamer.values import DataError
 
@@ -207,17 +208,14 @@ class Leases:
         total_tickets: int | None = None,
         sweep_batch: int = 100,
         max_attempts: int = 0,
-        defer_after: int = 0,
-        defer_failed_after: int = 0,
-        revisit_share: float = 0.0,
+        rule: Rule = NEVER,
         n_rows: int = 0,
     ):
         self.client, self.keys, self.owner = client, keys, owner
         self.lease_seconds, self.total_tickets = lease_seconds, total_tickets
         self.sweep_batch = sweep_batch
         self.max_attempts = max_attempts  # failed attempts before a row is skipped; 0 = never
-        self.defer_after, self.defer_failed_after = defer_after, defer_failed_after  # 0 = never
-        self.revisit_share = revisit_share
+        self.rule = rule  # when rows that teach nothing step aside
         self.n_rows = n_rows  # the dataset's rows (for "nothing left to teach")
         self._claim = client.register_script(lua.CLAIM)
         self._claim_admit = client.register_script(lua.CLAIM_ADMIT)
@@ -266,8 +264,7 @@ class Leases:
                 ],
                 args=[
                     *(self.owner, self.lease_seconds, limit, self.sweep_batch, self.max_attempts),
-                    *(*admission.defaults, known_policy, base, rows, self.defer_after),
-                    *(self.defer_failed_after, self.revisit_share, self.n_rows),
+                    *(*admission.defaults, known_policy, base, rows, *self.rule, self.n_rows),
                 ],
             )
         except TRANSIENT:  # a cluster that is down answers CLUSTERDOWN, a ResponseError too
@@ -314,7 +311,7 @@ class Leases:
                     *(k.rows, k.rows_solved, k.rows_unsolvable),
                 ],
                 args=[ticket, self.owner, FIELD, payload, max_unacked, TRAINER_GROUP, *event, group_version]
-                + [*row_args, self.defer_after, self.defer_failed_after],
+                + [*row_args, self.rule.solved_after, self.rule.failed_after],
             )
         except TRANSIENT:
             raise

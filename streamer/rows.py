@@ -204,6 +204,22 @@ def outcome(rewards: list[float]) -> tuple[str, float]:
     return ("solved" if rewards[0] > 0 else "failed"), pass_rate
 
 
+class Rule(NamedTuple):
+    """When rows step aside: ``producer.defer_after``, ``defer_failed_after`` (0 = never)
+    and ``revisit_share``. The default never sets a row aside."""
+
+    solved_after: int = 0
+    failed_after: int = 0
+    revisit_share: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return self.solved_after > 0 or self.failed_after > 0
+
+
+NEVER = Rule()  # rows never step aside
+
+
 class RowCounts(NamedTuple):
     total: int  # rows of the dataset (0: no producer said yet)
     solved: int

@@ -23,6 +23,7 @@ from streamer.cli.status import render
 from streamer.config import RunConfig, parse_config, replace
 from streamer.errors import ConfigError
 from streamer.readmodel import snapshot
+from streamer.rows import Rule
 
 ROWS = 4
 ORDER = Order(ROWS, seed=0, shuffle=False)  # ticket t is row t % 4
@@ -34,9 +35,7 @@ def _leases(client, keys, *, defer_after=2, failed_after=0, share=0.0) -> tuple[
         keys,
         owner="p",
         lease_seconds=60,
-        defer_after=defer_after,
-        defer_failed_after=failed_after,
-        revisit_share=share,
+        rule=Rule(defer_after, failed_after, share),
         n_rows=ROWS,
     )
     return leases, Admission(client, keys, max_staleness=1000, groups_per_step=1000)
