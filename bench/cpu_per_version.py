@@ -13,8 +13,11 @@ counted the same way:
             evaluation every ``eval.eval_every`` versions
 
 The figure is CPU seconds per policy version (one version per train step), system / bare.
-The system may make fewer versions than asked: when every row is set aside and a last look
-taught nothing, the producers stop and `up` ends the run; its figure is per version it made.
+The system runs first and may make fewer versions than asked: when every row is set aside
+and a last look taught nothing, the producers stop and `up` ends the run. The bare loop then
+runs as many versions as the system made; it sets no row aside, so late in a run its steps
+draw ever more zero-variance groups: past ``--bare-seconds`` it is stopped and counted up to
+the version it reached (its later versions would cost more: the ratio is then an upper bound).
 While the system runs, each process's CPU is read from ``/proc/PID/stat`` every 0.25 s;
 the last reading before it exits gives the breakdown by role (the total is exact, the
 parts miss at most the last 0.25 s of each process).
@@ -139,23 +142,29 @@ def _count(pattern: str, text: str) -> int:
     return int(m.group(1))
 
 
-def bare_side(steps: int, config: Path | None) -> dict:
+def bare_side(steps: int, config: Path | None, timeout: float) -> dict:
+    """The bare loop for ``steps`` versions; stopped after ``timeout`` seconds (late in a run
+    its steps draw ever more zero-variance groups), then counted up to the step it reached."""
     env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": "1"}
     before, start = _children_cpu(), time.monotonic()
-    out = subprocess.run(
-        [sys.executable, __file__, "--bare-child", str(steps)]
-        + (["--config", str(config)] if config else []),
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    wall = time.monotonic() - start
+    argv = [sys.executable, __file__, "--bare-child", str(steps)] + (
+        ["--config", str(config)] if config else []
+    )
+    try:
+        out = subprocess.run(
+            argv, env=env, check=True, capture_output=True, text=True, timeout=timeout
+        ).stdout
+    except subprocess.TimeoutExpired as e:  # killed and waited for: its CPU is counted
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+    done = re.findall(r"step (\d+) groups (\d+)", out)
+    if not done:
+        raise SystemExit(f"the bare loop finished no step within {timeout:g} s")
     return {
         "cpu": _children_cpu() - before,
-        "wall": wall,
-        "versions": steps,
-        "groups": _count(r"groups sampled (\d+)", out),
+        "wall": time.monotonic() - start,
+        "versions": int(done[-1][0]),
+        "groups": int(done[-1][1]),
+        "stopped": int(done[-1][0]) < steps,
     }
 
 
@@ -245,7 +254,7 @@ def bare_child(steps: int, config: str | None) -> int:
             if (verdict := keep(group, version=version)).accepted:
                 groups.append(verdict.group)
         learner.train_step(collate(groups, std_normalize=tc.std_normalize, std_floor=tc.std_floor))
-    print(f"groups sampled {sampled}")
+        print(f"step {version + 1} groups {sampled}", flush=True)
     return 0
 
 
@@ -259,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--model-size", choices=SIZES, help="a named demo model size instead of --hidden/--layers"
     )
+    ap.add_argument(
+        "--bare-seconds", type=float, default=1800, help="stop the bare loop after this long (default 1800)"
+    )
     ap.add_argument("--bare-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -270,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden, args.layers = SIZES[args.model_size]
     with tempfile.TemporaryDirectory(prefix="streamer-cpu-") as tmp:
         config = model_config_file(args.hidden, args.layers, Path(tmp)) if args.hidden else None
-        bare = bare_side(args.steps, config)
+        # the system first: the bare loop runs as many versions as it made
         system = system_side(args.steps, args.producers, Path(tmp) / "system", config)
+        bare = bare_side(system["versions"], config, args.bare_seconds)
     rows = []
     for name, side in (("system (streamer up)", system), ("bare in-process loop", bare)):
         per, groups = side["cpu"] / side["versions"], side["groups"] / side["versions"]
@@ -292,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     # per group drawn: the same ratio without how many groups each side's trajectory drew
     # per version (zero-variance groups, rejected, grow as a run learns)
     per_group = (system["cpu"] / system["groups"]) / (bare["cpu"] / bare["groups"])
+    if bare["stopped"]:  # its later steps would only cost more: the ratio is an upper bound
+        print(f"the bare loop was stopped at version {bare['versions']} of {system['versions']}")
     C.print_ratios(
         {name: ratio, "cpu_per_group_system_vs_bare": per_group},
         goals={name: f"goal <= {GOAL:g}: {'met' if ratio <= GOAL else 'NOT met'}"},
