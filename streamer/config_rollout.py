@@ -54,7 +54,7 @@ class ProducerSection(Section):
         10  # set a row aside once this many groups in a row taught nothing (some failed); 0 = never
     )
     revisit_share: Annotated[float, msgspec.Meta(ge=0, lt=1)] = (
-        0.2  # at most this share of the rows handed out are revisits of rows set aside
+        0.1  # at most this share of the rows handed out are revisits of rows set aside
     )
 
     def __post_init__(self) -> None:
