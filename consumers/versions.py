@@ -179,13 +179,14 @@ class VersionPublisher:
 
     def _write_and_announce(self, model, version: int, step: int) -> None:
         start = time.monotonic()
-        if bad := weights.first_non_finite(model.state_dict()):  # samplers would only sample garbage
+        try:  # checked as the bytes are written: samplers would only sample garbage
+            uri, sha = weights.write_version(model, self.root, version, dtype=self.dtype, untie=self.untie)
+        except weights.NonFinite as e:
             raise StreamerError(
-                f"step {step} produced non-finite weights (tensor {bad!r} holds inf or NaN); version "
+                f"step {step} produced non-finite weights (tensor {e.tensor!r} holds inf or NaN); version "
                 f"{version} is not published. Lower trainer.lr or check the data, then resume from the "
                 "last checkpoint"
-            )
-        uri, sha = weights.write_version(model, self.root, version, dtype=self.dtype, untie=self.untie)
+            ) from None
         sync = WeightSync(version=version, step=step, uri=uri, sha256=sha)
 
         payload = encode(sync)
