@@ -169,9 +169,13 @@ def _finite(mm: mmap.mmap, dtype: torch.dtype, begin: int, end: int) -> bool:
 
 
 def finite(t: torch.Tensor) -> bool:
-    """Whether a non-empty floating tensor holds no inf or NaN: its min and max are finite
-    (both propagate NaN). One reduction, ~15x faster than ``isfinite(t).all()``, which
-    writes a bool per element (0.29 s against 0.02 s for 50M floats on one core here)."""
+    """Whether a non-empty floating tensor holds no inf or NaN. Its sum first (NaN and inf
+    propagate, so a finite sum means finite elements): one reduction, ~2x faster than
+    ``aminmax`` (0.03 s against 0.06 s for 100M floats on one core here), and far faster than
+    ``isfinite(t).all()``, which writes a bool per element (0.29 s for 50M). A sum that is
+    not finite may have overflowed: then its min and max decide (both propagate NaN)."""
+    if bool(torch.isfinite(t.sum())):
+        return True
     low, high = torch.aminmax(t)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 

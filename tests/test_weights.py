@@ -161,6 +161,8 @@ def test_finite_finds_any_nan_or_inf_wherever_it_is(dtype):
                 poisoned[pos] = bad
                 assert not tensorfile.finite(poisoned), (n, pos, bad)
                 assert not tensorfile.finite(poisoned.view(1, n).t()), (n, pos, bad)
+    huge = torch.full((64,), torch.finfo(dtype).max / 2).to(dtype)  # finite, but its sum is not
+    assert not bool(torch.isfinite(huge.sum())) and tensorfile.finite(huge) and tensorfile.finite(-huge)
 
 
 def test_a_file_with_a_nan_is_refused_before_any_parameter_changes(tmp_path):
