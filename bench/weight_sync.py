@@ -175,6 +175,8 @@ def write_config(
         "reward": "streamer.demo:reward",
         "torch_threads": 1,
         "shutdown_grace": 5.0,
+        "defer_after": 0,  # paced groups teach nothing: rows never step aside, the run never ends
+        "defer_failed_after": 0,
     }
     return C.write_run_config(
         workdir,
