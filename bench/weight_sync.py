@@ -17,9 +17,9 @@ adds (producer, version, the time it returned, its duration) to a stream of the 
 (a producer loads before the first sample of its next group). Versions go out one at a
 time: the next only after every producer has loaded the last. Per version:
 
-    publish   step end (snapshot taken) -> WeightSync.at (weights checked finite, files
-              written and hashed piece by piece on every core, renamed into place; not
-              fsynced: checkpoints are the durable state)
+    publish   step end (snapshot taken) -> WeightSync.at (files written, checked for inf
+              and NaN and hashed in one pass, piece by piece on every core, renamed into
+              place; not fsynced: checkpoints are the durable state)
     notice    WeightSync.at -> the producer starts loading (finishes its current group)
     load      manifest check (+ every piece re-hashed with --verify full) + fit check + load
               into the model
@@ -175,6 +175,8 @@ def write_config(
         "reward": "streamer.demo:reward",
         "torch_threads": 1,
         "shutdown_grace": 5.0,
+        "defer_after": 0,  # paced groups teach nothing: rows never step aside, the run never ends
+        "defer_failed_after": 0,
     }
     return C.write_run_config(
         workdir,
@@ -231,10 +233,9 @@ class Clock:
     in this process only (the producers' processes are untouched). Install once."""
 
     def __init__(self):
-        self.seconds = {"snapshot": 0.0, "finite": 0.0, "save": 0.0, "fsync": 0.0}
-        self._wrap(weights, "save", "save")  # serialise + write, hashing as it writes
+        self.seconds = {"snapshot": 0.0, "save": 0.0, "fsync": 0.0}
+        self._wrap(weights, "save", "save")  # serialise + write, checking and hashing as it writes
         self._wrap(versions, "snapshot", "snapshot")
-        self._wrap(weights, "first_non_finite", "finite")  # the writer's inf/NaN check
         self._wrap(disk, "fsync", "fsync")  # a version no longer pays it: 0 unless that changes
 
     def _wrap(self, owner, name: str, part: str) -> None:
@@ -419,7 +420,7 @@ def report(all_results: dict[str, dict], args) -> None:
                 [
                     name,
                     count,
-                    *(med[k] for k in ("publish", "snapshot", "finite", "save", "fsync")),
+                    *(med[k] for k in ("publish", "snapshot", "save", "fsync")),
                     raw["raw_save"],
                     med["notice"],
                     med["load"],
@@ -466,7 +467,6 @@ def report(all_results: dict[str, dict], args) -> None:
             "producers",
             "publish",
             "snapshot",
-            "finite",
             "save",
             "fsync",
             "raw save",

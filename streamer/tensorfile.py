@@ -40,10 +40,20 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # as safetensors itself
 
 
-def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None):
+def write(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+    *,
+    finite_only: bool = False,
+):
     """Write ``tensors`` to ``path`` as safetensors; (the sha256 hex of each of its pieces
-    (streamer/pieces.py), bytes written)."""
-    blobs, header, offset = [], {}, 0
+    (streamer/pieces.py), bytes written).
+
+    ``finite_only``: every floating tensor is checked for inf and NaN in the same pass, a slice at
+    a time on the writing threads just before it is written; :class:`NonFinite` (naming the
+    tensor) stops the write, leaving an incomplete file for the caller to discard."""
+    blobs, header, offset, flat = [], {}, 0, [None]
     for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
         if t.dtype not in _NAMES:
@@ -55,12 +65,30 @@ def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
             "data_offsets": [offset, offset + len(raw)],
         }
         blobs.append(raw)
+        flat.append((name, t.reshape(-1)) if t.is_floating_point() and t.numel() else None)
         offset += len(raw)
     if metadata:
         header["__metadata__"] = metadata
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    return pieces.write(path, [struct.pack("<Q", len(head)) + head, *blobs])
+
+    def check(index: int, begin: int, end: int) -> None:
+        if (entry := flat[index]) is None:
+            return
+        name, t = entry
+        size = t.element_size()  # the elements that begin in these bytes (one may end past them)
+        if (first := -(-begin // size)) < (stop := -(-end // size)) and not finite(t[first:stop]):
+            raise NonFinite(name)
+
+    return pieces.write(path, [struct.pack("<Q", len(head)) + head, *blobs], check if finite_only else None)
+
+
+class NonFinite(WeightsError):
+    """A floating tensor holds inf or NaN (weights that would only sample garbage)."""
+
+    def __init__(self, tensor: str):
+        super().__init__(f"tensor {tensor!r} holds inf or NaN")
+        self.tensor = tensor
 
 
 def header(path: Path) -> tuple[dict, int]:
@@ -141,9 +169,13 @@ def _finite(mm: mmap.mmap, dtype: torch.dtype, begin: int, end: int) -> bool:
 
 
 def finite(t: torch.Tensor) -> bool:
-    """Whether a non-empty floating tensor holds no inf or NaN: its min and max are finite
-    (both propagate NaN). One reduction, ~15x faster than ``isfinite(t).all()``, which
-    writes a bool per element (0.29 s against 0.02 s for 50M floats on one core here)."""
+    """Whether a non-empty floating tensor holds no inf or NaN. Its sum first (NaN and inf
+    propagate, so a finite sum means finite elements): one reduction, ~2x faster than
+    ``aminmax`` (0.03 s against 0.06 s for 100M floats on one core here), and far faster than
+    ``isfinite(t).all()``, which writes a bool per element (0.29 s for 50M). A sum that is
+    not finite may have overflowed: then its min and max decide (both propagate NaN)."""
+    if bool(torch.isfinite(t.sum())):
+        return True
     low, high = torch.aminmax(t)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 

@@ -31,6 +31,7 @@ from schemas import WeightSync
 from streamer import pieces, tensorfile
 from streamer.disk import atomic_dir, fsync, numbered, remove_unfinished, writing  # noqa: F401 (importable from here too)
 from streamer.errors import WeightsError
+from streamer.tensorfile import NonFinite
 
 _PREFIX = "v"
 _NAME = re.compile(rf"^{_PREFIX}(\d+)$")  # a version directory's name
@@ -85,6 +86,8 @@ def write_version(model, root: Path, version: int, *, dtype=None, untie: bool = 
 
     The bytes are hashed as they are written and every file's pieces go into
     ``manifest.json``; the directory appears under its final name only once complete.
+    Weights holding inf or NaN are never written: :class:`NonFinite` (naming the tensor),
+    checked as the bytes are written (after any cast to ``dtype``), and nothing appears.
     """
     root = Path(root).resolve()
     final = version_dir(root, version)
@@ -95,6 +98,7 @@ def write_version(model, root: Path, version: int, *, dtype=None, untie: bool = 
 
 def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str, dict]:
     """model.safetensors (HF layout, tied tensors once) + config files; {file: {bytes, pieces}}.
+    :class:`NonFinite` if a floating tensor holds inf or NaN (the directory is then incomplete).
 
     ``dtype``: floating tensors are cast to it. ``untie``: a model with tied input and output
     embeddings is written untied (``lm_head.weight`` stored, ``tie_word_embeddings`` false),
@@ -107,6 +111,8 @@ def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str
     state = getattr(model, "state", None)
     base = getattr(model, "model", model) if isinstance(state, dict) else model
     if isinstance(base, lora.AdapterView):
+        if bad := first_non_finite(state if isinstance(state, dict) else base.state_dict()):
+            raise NonFinite(bad)
         base.save_pretrained(directory, state_dict=state)
         return {f.name: _listed(f) for f in sorted(directory.iterdir())}
     tied = tied_keys(base)
@@ -116,7 +122,7 @@ def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str
         tensors = {k: t.clone() if k in tied else t for k, t in tensors.items()}
     if dtype is not None:
         tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
-    hashes, size = tensorfile.write(directory / WEIGHTS_FILE, tensors, {"format": "pt"})
+    hashes, size = tensorfile.write(directory / WEIGHTS_FILE, tensors, {"format": "pt"}, finite_only=True)
     config = base.config
     if untie and tied:
         config = copy.deepcopy(config)

@@ -3,8 +3,10 @@ and no version is written with another's weights."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from consumers import versions
 from consumers.versions import VersionPublisher, snapshot
 from streamer import demo, weights
 
@@ -17,7 +19,9 @@ def _bump(model, by: float) -> None:
             p.add_(by)
 
 
-def test_a_snapshot_reuses_a_spare_of_the_same_layout_and_keeps_tied_weights_tied():
+@pytest.mark.parametrize("chunk", [1 << 22, 100])  # tensors whole; every tensor cut in slices
+def test_a_snapshot_reuses_a_spare_of_the_same_layout_and_keeps_tied_weights_tied(monkeypatch, chunk):
+    monkeypatch.setattr(versions, "_CHUNK", chunk)
     model = demo.build_model(seed=1)
     first = snapshot(model)
     ptrs = {n: t.data_ptr() for n, t in first.state.items()}

@@ -161,6 +161,8 @@ def test_finite_finds_any_nan_or_inf_wherever_it_is(dtype):
                 poisoned[pos] = bad
                 assert not tensorfile.finite(poisoned), (n, pos, bad)
                 assert not tensorfile.finite(poisoned.view(1, n).t()), (n, pos, bad)
+    huge = torch.full((64,), torch.finfo(dtype).max / 2).to(dtype)  # finite, but its sum is not
+    assert not bool(torch.isfinite(huge.sum())) and tensorfile.finite(huge) and tensorfile.finite(-huge)
 
 
 def test_a_file_with_a_nan_is_refused_before_any_parameter_changes(tmp_path):
@@ -174,3 +176,58 @@ def test_a_file_with_a_nan_is_refused_before_any_parameter_changes(tmp_path):
     with pytest.raises(WeightsError, match=f"{name}.*inf or NaN"):
         tensorfile.load_into(dst.state_dict(), tmp_path / "model.safetensors")
     assert all(torch.equal(t, before[k]) for k, t in dst.state_dict().items())
+
+
+def test_a_check_sees_every_byte_once_before_it_is_written_and_stops_the_write(tmp_path, monkeypatch):
+    monkeypatch.setattr(pieces, "PIECE", 1000)
+    monkeypatch.setattr(pieces, "_SLICE", 300)  # slices cut inside pieces and buffers
+    monkeypatch.setattr(pieces, "THREADS", 3)
+    buffers = [b"h" * 10, bytes(range(256)) * 9, b"", b"t" * 1000]
+    seen: list[tuple[int, int, int]] = []
+    hashes, _ = pieces.write(tmp_path / "f", buffers, lambda i, b, e: seen.append((i, b, e)))
+    assert hashes == _pieces(tmp_path / "f", 1000)
+    for i, buf in enumerate(buffers):  # each buffer's ranges tile it exactly
+        ranges = sorted((b, e) for j, b, e in seen if j == i)
+        assert [b for b, _ in ranges] == [0, *(e for _, e in ranges[:-1])] if buf else not ranges
+        assert not buf or ranges[-1][1] == len(buf)
+
+    def refuse(i, b, e):
+        if i == 3:
+            raise ValueError("no")
+
+    with pytest.raises(ValueError, match="no"):
+        pieces.write(tmp_path / "g", buffers, refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_writer_refuses_inf_or_nan_anywhere_even_across_slices_and_unaligned(
+    tmp_path, monkeypatch, dtype
+):
+    monkeypatch.setattr(pieces, "PIECE", 1000)
+    monkeypatch.setattr(pieces, "_SLICE", 250)
+    monkeypatch.setattr(pieces, "THREADS", 2)
+    clean = {"odd": torch.randn(3).to(torch.bfloat16), "w": torch.randn(997).to(dtype), "i": torch.arange(5)}
+    tensorfile.write(tmp_path / "ok.safetensors", clean, finite_only=True)  # finite: written
+    size = clean["w"].element_size()
+    for pos in (0, 1, 249 // size, 250 // size, 251 // size, 500, 996):  # around a slice's edge
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            tensors = {**clean, "w": clean["w"].clone()}
+            tensors["w"][pos] = bad
+            with pytest.raises(tensorfile.NonFinite, match="'w' holds inf or NaN") as e:
+                tensorfile.write(tmp_path / "bad.safetensors", tensors, finite_only=True)
+            assert e.value.tensor == "w"
+    tensorfile.write(tmp_path / "unchecked.safetensors", tensors)  # unless asked
+
+
+def test_a_version_with_a_nan_is_never_written_and_nothing_appears(tmp_path):
+    model = demo.build_model(seed=1)
+    weights.write_version(model, tmp_path, 1)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("inf")
+    with pytest.raises(weights.NonFinite, match="up_proj"):
+        weights.write_version(model, tmp_path, 2)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = 1e6  # finite in float32, inf in float16
+    with pytest.raises(weights.NonFinite, match="up_proj"):
+        weights.write_version(model, tmp_path, 3, dtype=torch.float16)
+    assert weights.versions(tmp_path) == [1] and [p.name for p in tmp_path.iterdir()] == ["v00000001"]
