@@ -29,8 +29,7 @@ CHARS = list("0123456789+=")
 # training prompt right in all 16 samples; those rows step aside (streamer/rows.py), and
 # once every row has, the run ends by itself. The learning rate decays (cosine, to 0.1 of
 # it) over these steps and then stays there (so `--steps 0` runs on): at a constant one,
-# the last steps, spent on the few rows still learnable, pulled held-out accuracy back
-# down (0.9 at version 300, 0.3 at 600).
+# the last steps, spent on the few rows still learnable, pull held-out accuracy back down.
 STEPS = 500
 
 
