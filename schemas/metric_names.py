@@ -81,8 +81,8 @@ ROLLOUT = _axis(
         "episode_seconds": "wall time of the group's rollout",
         "in_flight_episodes": "rows in flight in the producer when the group was published",
         "rows_active": "dataset rows not set aside (they may still teach)",
-        "rows_solved": "rows set aside: their last groups were all solved",
-        "rows_unsolvable": "rows set aside: their last groups all failed",
+        "rows_solved": "rows set aside as solved: their last groups were all (or mostly) solved",
+        "rows_unsolvable": "rows set aside: their last groups taught nothing, most failed",
         "nothing_to_teach": "1 once every row is solved and the producers stopped",
     },
     counters={
