@@ -47,7 +47,8 @@ def run_once(seed: int, steps: int, producers: int) -> dict:
 def rejected_per_accepted(curve: dict) -> float | None:
     """Mean over the run's last LAST steps of groups rejected per group accepted."""
     by_step = {int(s): r for s, r in curve.get("rejected_per_accepted_by_step", {}).items()}
-    last = [r for s, r in by_step.items() if s > max(by_step, default=0) - LAST]
+    end = max(by_step, default=0)
+    last = [r for s, r in by_step.items() if s > end - LAST]
     return sum(last) / len(last) if last else None
 
 
