@@ -18,7 +18,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -92,13 +91,8 @@ def _refill(target: dict, source: dict) -> bool:
             return False
         pairs[key] = id(dst)
         copies += _slices(dst, t.detach())
-    with torch.no_grad():
-        if pieces.THREADS == 1 or len(copies) <= 1:
-            for dst, src in copies:
-                dst.copy_(src)
-        else:  # copy_ releases the GIL
-            with ThreadPoolExecutor(pieces.THREADS, thread_name_prefix="snapshot") as pool:
-                list(pool.map(lambda pair: pair[0].copy_(pair[1]), copies))
+    with torch.no_grad():  # copy_ releases the GIL
+        pieces.on_threads(lambda pair: pair[0].copy_(pair[1]), copies)
     return True
 
 

@@ -60,7 +60,7 @@ def write(path: Path, buffers: Sequence, check: Check | None = None) -> tuple[li
                 raise
             return h.hexdigest()
 
-        return _map(one, plan), size
+        return on_threads(one, plan), size
     finally:
         os.close(fd)
 
@@ -80,7 +80,7 @@ def of_file(path: Path, piece: int = PIECE) -> list[str]:
                 left -= n
         return h.hexdigest()
 
-    return _map(one, range(0, size, piece))
+    return on_threads(one, range(0, size, piece))
 
 
 def _pieces(views: list[memoryview]) -> list[list[tuple[int, memoryview, int, int]]]:
@@ -105,7 +105,9 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _map(fn: Callable, items) -> list:
+def on_threads(fn: Callable, items) -> list:
+    """``[fn(x) for x in items]``, on up to :data:`THREADS` threads (for work that releases
+    the GIL: hashing, file I/O, tensor copies)."""
     items = list(items)
     if len(items) <= 1 or THREADS == 1:
         return [fn(x) for x in items]
