@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from schemas import Sample, TrajectoryGroup  # noqa: E402
-from streamer.config import to_toml, write_toml  # noqa: E402
+from streamer.config import write_toml  # noqa: E402
 from streamer.connection import connect  # noqa: E402
 from streamer.keys import Keys  # noqa: E402
 from streamer.server import EmbeddedServer  # noqa: E402
@@ -470,8 +470,7 @@ def run_up(cfg, workdir: Path, *extra: str, timeout: float, during: Callable[[],
     ``extra`` arguments, its output in ``workdir/up.log``; ``during()`` is called once it has
     started. Past ``timeout`` seconds it is stopped as by Ctrl-C (its curve still recorded).
     Returns the curve it recorded (curve.json) with ``wall``: the seconds it ran."""
-    config = workdir / "run.toml"
-    config.write_text(to_toml(msgspec.to_builtins(cfg)))
+    config = write_toml(workdir / "run.toml", msgspec.to_builtins(cfg))
     argv = [sys.executable, "-m", "streamer", "up", "--config", str(config), "--fresh", "--no-progress"]
     argv += ["--data-dir", str(workdir), *extra]
     began = time.monotonic()
