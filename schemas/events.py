@@ -246,7 +246,7 @@ class WeightSync(msgspec.Struct, frozen=True, tag="weights", kw_only=True):
     version: int
     step: int  # trainer step that produced these weights (not optimizer steps)
     uri: str  # file:// URI of a safetensors file (HF layout) or a directory holding one
-    # sha256 of the directory's manifest.json, which lists every file's size and the sha256 of
+    # sha256 of the directory's manifest.json, which lists every file's size and the BLAKE3 of
     # each of its 16 MiB pieces (streamer/weights.py); a reader refuses a manifest format it
     # does not know.
     sha256: str

@@ -1,27 +1,29 @@
-"""A file's hash list: the sha256 of each consecutive :data:`PIECE` bytes, on several cores.
+"""A file's hash list: the BLAKE3 of each consecutive :data:`PIECE` bytes, on several cores.
 
-One SHA-256 stream runs on one core (0.22 s for the 390 MB of a ~100M-parameter version on
-the development VM, longer than writing those bytes), but the pieces of a file are
-independent: :func:`write` writes and hashes them on :data:`THREADS` threads, each piece
-written and then hashed a slice at a time while the slice is still in cache, and
-:func:`of_file` re-hashes a file the same way (hashlib, ``os.pwrite`` and file reads all
-release the GIL). A caller's ``check`` runs in the same pass, on each slice just before it
-is written (the version writer's inf/NaN check: on every core, on bytes brought into cache
-for the write anyway, instead of one more pass on one core before the write starts). A
-policy version's manifest lists every file's pieces, and its announcement carries the
-sha256 of the manifest: a hash list one level deep, as a BitTorrent metainfo's
-(streamer/weights.py).
+BLAKE3 is a cryptographic hash at ~8 GB/s a core on the development VM (SHA-256, even with
+the CPU's SHA extensions, ~2 GB/s: longer than writing the 390 MB of a ~100M-parameter
+version takes), and the pieces of a file are independent: :func:`write` writes and hashes
+them on :data:`THREADS` threads, each piece written and then hashed a slice at a time while
+the slice is still in cache, and :func:`of_file` re-hashes a file the same way (blake3,
+``os.pwrite`` and file reads all release the GIL). A caller's ``check`` runs in the same
+pass, on each slice just before it is written (the version writer's inf/NaN check: on every
+core, on bytes brought into cache for the write anyway, instead of one more pass on one core
+before the write starts). A policy version's manifest lists every file's pieces, and its
+announcement carries the sha256 of the manifest (a few kilobytes): a hash list one level
+deep, as a BitTorrent metainfo's (streamer/weights.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from blake3 import blake3  # releases the GIL while it hashes
+
+HASH = "blake3"  # the hash of each piece, as a manifest names it
 Check = Callable[[int, int, int], None]  # (buffer index, begin, end): raises to stop the write
 
 PIECE = 1 << 24  # bytes a piece (the last one of a file may be shorter)
@@ -30,8 +32,8 @@ _SLICE = 1 << 20  # written, then hashed while still in cache
 
 
 def write(path: Path, buffers: Sequence, check: Check | None = None) -> tuple[list[str], int]:
-    """Write ``buffers`` (bytes-like, in order) as the file ``path``; (the sha256 hex of
-    each piece, bytes written).
+    """Write ``buffers`` (bytes-like, in order) as the file ``path``; (the :data:`HASH` hex
+    of each piece, bytes written).
 
     ``check(i, begin, end)``: called on a writing thread with bytes ``begin:end`` of
     ``buffers[i]`` before they are written, every byte once; what it raises stops every
@@ -44,7 +46,7 @@ def write(path: Path, buffers: Sequence, check: Check | None = None) -> tuple[li
     try:
 
         def one(parts: list[tuple[int, memoryview, int, int]]) -> str:
-            h = hashlib.sha256()
+            h = blake3()
             try:
                 for offset, view, index, begin in parts:
                     for i in range(0, len(view), _SLICE):
@@ -66,11 +68,11 @@ def write(path: Path, buffers: Sequence, check: Check | None = None) -> tuple[li
 
 
 def of_file(path: Path, piece: int = PIECE) -> list[str]:
-    """The sha256 hex of each ``piece`` bytes of the file at ``path``."""
+    """The :data:`HASH` hex of each ``piece`` bytes of the file at ``path``."""
     size = Path(path).stat().st_size
 
     def one(start: int) -> str:
-        h, buf = hashlib.sha256(), bytearray(min(_SLICE, piece))
+        h, buf = blake3(), bytearray(min(_SLICE, piece))
         view = memoryview(buf)
         with open(path, "rb", buffering=0) as f:
             f.seek(start)

@@ -5,8 +5,8 @@ length, a JSON header ``{name: {dtype, shape, data_offsets}}`` padded to 8 bytes
 raw tensor bytes. Writing it here rather than through ``save_pretrained`` lets the writer
 hash the bytes as it writes them, piece by piece on several threads (streamer/pieces.py),
 instead of reading the file back to hash it afterwards.
-Loading maps the file and copies each tensor straight into the model's parameter
-(``load_file`` + ``load_state_dict`` copy every byte twice). The reader checks the header
+Loading maps the file and points each parameter at its bytes, copying none (``load_file``
++ ``load_state_dict`` copy every byte twice). The reader checks the header
 (known dtypes, offsets inside the file, sizes that match the shapes) before touching data;
 it never unpickles anything.
 """
@@ -125,17 +125,23 @@ def _check(path: Path, name: str, spec, data_bytes: int) -> None:
         raise WeightsError(f"{path}: tensor {name!r} has offsets that do not match its shape or the file")
 
 
-def load_into(params: dict[str, torch.Tensor], path: Path) -> set[str]:
-    """Copy every tensor of the file into ``params[name]`` in place; the names it held.
+def load_into(targets: dict[str, torch.Tensor], path: Path) -> set[str]:
+    """Load every tensor of the file into ``targets[name]`` (a model's parameters and buffers,
+    by their state-dict names); the names it held.
 
-    A floating tensor is cast to the parameter's floating dtype (a float32 file into a
-    bfloat16 model). Raises WeightsError (before changing anything) for a name not in
-    ``params``, a shape that differs, a dtype that cannot be cast (integer against float),
-    or a floating tensor that holds inf or NaN (weights that would only sample garbage).
+    A CPU target of the file's dtype takes the file's bytes without a copy: its ``.data``
+    becomes a view of the file mapped copy-on-write (every reader of a file shares its page
+    cache, and a write copies only the page it touches; the file may be deleted meanwhile).
+    Any other target is copied into in place: a floating tensor cast to the target's floating
+    dtype (a float32 file into a bfloat16 model), or onto its device. Raises WeightsError
+    (before changing anything) for a name not in ``targets``, a shape that differs, or a dtype
+    that cannot be cast (integer against float). The values are not looked at: a policy
+    version is checked for inf and NaN as it is written, and its reader makes sure these are
+    still the bytes written (streamer/weights.py).
     """
     head, start = header(path)
     for name, spec in head.items():
-        target = params.get(name)
+        target = targets.get(name)
         if target is None:
             raise WeightsError(f"{path}: tensor {name!r} is not a parameter of the model")
         source = DTYPES[spec["dtype"]]
@@ -145,27 +151,31 @@ def load_into(params: dict[str, torch.Tensor], path: Path) -> set[str]:
                 f"{path}: tensor {name!r} is {spec['dtype']}{spec['shape']}, the model's "
                 f"{target.dtype}{list(target.shape)}"
             )
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm, torch.no_grad():
-        spans = [
-            (name, DTYPES[spec["dtype"]], start + spec["data_offsets"][0], start + spec["data_offsets"][1])
-            for name, spec in head.items()
-        ]
-        for name, dtype, begin, end in spans:  # all checked before any is copied
-            if dtype.is_floating_point and end > begin and not _finite(mm, dtype, begin, end):
-                raise WeightsError(f"{path}: tensor {name!r} holds inf or NaN")
+    spans = [
+        (name, DTYPES[spec["dtype"]], start + spec["data_offsets"][0], start + spec["data_offsets"][1])
+        for name, spec in head.items()
+        if spec["data_offsets"][1] > spec["data_offsets"][0]
+    ]
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    shared = False
+    with torch.no_grad():
         for name, dtype, begin, end in spans:
-            if end > begin:
-                _copy(params[name], mm, dtype, begin, end - begin)
+            target = targets[name]
+            view = _view(mm, dtype, begin, end - begin).view(target.shape)
+            if target.device.type == "cpu" and target.dtype == dtype and begin % dtype.itemsize == 0:
+                target.data, shared = view, True
+            else:
+                target.copy_(view)  # casts float to float
+            del view
+    if not shared:
+        mm.close()
     return set(head)
 
 
 def _view(mm: mmap.mmap, dtype: torch.dtype, offset: int, nbytes: int) -> torch.Tensor:
-    # a view must be gone before the map closes (an exported buffer cannot be unmapped)
+    # the map stays open while a view lives (an exported buffer cannot be unmapped)
     return torch.frombuffer(mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
-
-
-def _finite(mm: mmap.mmap, dtype: torch.dtype, begin: int, end: int) -> bool:
-    return finite(_view(mm, dtype, begin, end - begin))
 
 
 def finite(t: torch.Tensor) -> bool:
@@ -178,7 +188,3 @@ def finite(t: torch.Tensor) -> bool:
         return True
     low, high = torch.aminmax(t)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-
-
-def _copy(target: torch.Tensor, mm: mmap.mmap, dtype: torch.dtype, offset: int, nbytes: int) -> None:
-    target.copy_(_view(mm, dtype, offset, nbytes).view(target.shape))  # casts float to float

@@ -2,18 +2,25 @@
 
 The trainer writes ``{root}/v{version:08d}/`` (model.safetensors + config.json and a
 manifest.json) into a temporary directory and renames it into place, so a reader never
-sees half a version. The manifest lists every file's size and the sha256 of each of its
+sees half a version. The manifest lists every file's size and the BLAKE3 of each of its
 16 MiB pieces (streamer/pieces.py: hashed while written, on several cores), and the
 version's announcement (:class:`schemas.WeightSync`) carries the sha256 of the manifest:
-one SHA-256 of every byte in a row would take a core longer than writing them.
+one hash of every byte in a row would take a core longer than writing them.
 
 Readers accept only ``file://`` URIs inside the configured root whose manifest hashes to
-the announced sha256, with every file there at its listed size; ``verify="full"`` also
-re-hashes every piece (weights that crossed untrusted storage). A version is not fsynced
-(checkpoints are the durable state; after a crash the trainer publishes its checkpoint
-again under a new number), so a manifest written before this machine's last reboot does not
-vouch for the bytes: that directory is re-hashed in full. No pickle: nothing here calls
-``torch.load``.
+the announced sha256, with every file there at its listed size. The manifest also records
+each file as the writer left it (inode, modification and change times, and the kernel's
+boot id): a reader in the same boot that finds every file so is reading the very bytes that
+were hashed (and checked for inf and NaN) as they were written, and trusts them; any other
+reader re-hashes every piece before loading — another machine, a machine that has rebooted
+since (a version is not fsynced: checkpoints are the durable state, and after a crash the
+trainer publishes its checkpoint again under a new number), or a file written to since.
+``verify="full"`` always re-hashes. No pickle: nothing here calls ``torch.load``.
+
+A version directory is never changed once it is in place (a newer version is a new
+directory; pruning deletes whole directories): a sampler on the CPU maps the files it loads
+rather than copying them (streamer/tensorfile.py), so rewriting or truncating a loaded file
+in place would change or crash it (SIGBUS), where deleting it changes nothing.
 """
 
 from __future__ import annotations
@@ -36,8 +43,8 @@ from streamer.tensorfile import NonFinite
 _PREFIX = "v"
 _NAME = re.compile(rf"^{_PREFIX}(\d+)$")  # a version directory's name
 WEIGHTS_FILE = "model.safetensors"
-MANIFEST = "manifest.json"  # every file's size and pieces' sha256; announced by its own sha256
-MANIFEST_FORMAT = 2  # 1: per-file sha256, announced by the sha256 of the safetensors bytes
+MANIFEST = "manifest.json"  # every file's size and pieces' hashes; announced by its own sha256
+MANIFEST_FORMAT = 3  # 2: the pieces' sha256; 1: per-file sha256
 VERIFY_MODES = ("manifest", "full")
 
 
@@ -165,19 +172,31 @@ def _unaliased(state: dict, tied: set[str]) -> dict:
 
 
 def _write_manifest(directory: Path, version: int, files: dict) -> str:
-    """Write the manifest of ``files`` ({name: {bytes, pieces}}); its sha256 hex."""
+    """Write the manifest of ``files`` ({name: {bytes, pieces}}), each as it is now on disk;
+    its sha256 hex."""
+    for name, entry in files.items():
+        entry["written"] = _as_written(directory / name)
     doc = {"format": MANIFEST_FORMAT, "version": version, "piece_bytes": pieces.PIECE, "files": files}
+    doc["piece_hash"] = pieces.HASH  # for people reading it: the format decides
     doc["written_by"] = this_boot()
     raw = json.dumps(doc, indent=1, sort_keys=True).encode()
     (directory / MANIFEST).write_bytes(raw)
     return hashlib.sha256(raw).hexdigest()
 
 
+def _as_written(path: Path) -> list[int]:
+    """What changes whenever a file's bytes do (a write, a truncation, a replacement; setting
+    its times back changes its change time): inode, modification and change times, in ns."""
+    st = path.stat()
+    return [st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def this_boot() -> dict[str, str]:
     """This machine and the boot it is in (``boot_id`` empty where the kernel has none).
 
     A version is renamed into place without fsync: its bytes can be lost only by a machine
-    crash, and then the machine has rebooted since."""
+    crash, and then the machine has rebooted since. Containers on one machine share its
+    boot id (and its page cache)."""
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -185,21 +204,10 @@ def this_boot() -> dict[str, str]:
     return {"host": socket.gethostname(), "boot_id": boot_id}
 
 
-def _written_before_a_reboot(manifest: dict) -> bool:
-    """Whether the manifest was written on this machine before it last booted (or does not
-    say where): the version's bytes may have been lost with the page cache, and its sizes
-    prove nothing."""
-    by = manifest.get("written_by")
-    if not isinstance(by, dict):
-        return True
-    here = this_boot()
-    return by.get("host") == here["host"] and by.get("boot_id") != here["boot_id"]
-
-
 def read_manifest(path: Path, sha256: str) -> dict:
     """``path``'s manifest, once its bytes hash to ``sha256`` (the announced one) and it is
-    this build's format: {"files": {name: (bytes, [piece sha256])}, "piece": bytes a piece,
-    "written_by": ...}. Raises WeightsError."""
+    this build's format: {"files": {name: (bytes, [piece hash], as written)}, "piece": bytes a
+    piece, "written_by": ...}. Raises WeightsError."""
     try:
         raw = (path / MANIFEST).read_bytes()
     except OSError as e:
@@ -218,10 +226,13 @@ def read_manifest(path: Path, sha256: str) -> dict:
         raise WeightsError(f"sha256 mismatch ({MANIFEST} hashes to {actual[:12]}..., not {sha256[:12]}...)")
     try:
         piece = int(doc["piece_bytes"])
-        files = {str(k): (int(v["bytes"]), [str(h) for h in v["pieces"]]) for k, v in doc["files"].items()}
+        files = {
+            str(k): (int(v["bytes"]), [str(h) for h in v["pieces"]], [int(x) for x in v["written"]])
+            for k, v in doc["files"].items()
+        }
     except (KeyError, TypeError, ValueError, AttributeError):
         raise WeightsError(f"{path}: unreadable {MANIFEST}") from None
-    for name, (size, hashes) in files.items():
+    for name, (size, hashes, _) in files.items():
         if piece <= 0 or "/" in name or name in ("", ".", "..") or len(hashes) != -(-size // piece):
             raise WeightsError(f"{path}: unreadable {MANIFEST} (entry {name!r})")
     return {"files": files, "piece": piece, "written_by": doc.get("written_by")}
@@ -229,13 +240,13 @@ def read_manifest(path: Path, sha256: str) -> dict:
 
 def check_files(path: Path, manifest: dict, *, hashed: bool) -> None:
     """WeightsError unless every file of ``manifest`` is in ``path`` at its size, and no other
-    safetensors file; ``hashed``: and every piece hashes to its listed sha256."""
+    safetensors file; ``hashed``: and every piece hashes to its listed hash."""
     files = manifest["files"]
     on_disk = {f.name for f in path.glob("*.safetensors")}
     listed = {f for f in files if f.endswith(".safetensors")}
     if on_disk != listed or not listed:
         raise WeightsError(f"{path}: safetensors files {sorted(on_disk)} != {MANIFEST}'s {sorted(listed)}")
-    for name, (size, _) in files.items():
+    for name, (size, _, _) in files.items():
         try:
             actual = (path / name).stat().st_size
         except OSError:
@@ -245,26 +256,26 @@ def check_files(path: Path, manifest: dict, *, hashed: bool) -> None:
     if not hashed:
         return
     piece = manifest["piece"]
-    for name, (size, hashes) in files.items():
+    for name, (size, hashes, _) in files.items():
         for k, (got, want) in enumerate(zip(pieces.of_file(path / name, piece), hashes)):
             if got != want:
                 end = min(size, (k + 1) * piece)
-                raise WeightsError(f"{path}/{name}: sha256 mismatch in bytes {k * piece}-{end}")
+                raise WeightsError(f"{path}/{name}: {pieces.HASH} mismatch in bytes {k * piece}-{end}")
 
 
 def check_manifest(path: Path, sha256: str) -> bool:
-    """Whether ``path``'s manifest vouches for its files: it hashes to ``sha256`` and every
-    file is there at its listed size. For a directory written by :func:`write_version` on
-    this filesystem: it appears only complete (atomic rename), so the pieces hashed while
-    writing stand for the bytes. False when this machine has rebooted since it was written
-    (the bytes, never fsynced, may be lost): then the caller re-hashes them. Raises
-    WeightsError on a mismatch.
+    """Whether ``path``'s manifest vouches for its files: it hashes to ``sha256``, every file
+    is there at its listed size, and, in the boot it was written in, every file is as the
+    writer left it, so the pieces hashed as they were written stand for the bytes. False
+    when that cannot be told (another machine, a reboot since, a file written to since): then
+    the caller re-hashes them. Raises WeightsError on a mismatch.
     """
     manifest = read_manifest(path, sha256)
-    if _written_before_a_reboot(manifest):
-        return False
     check_files(path, manifest, hashed=False)
-    return True
+    by, boot = manifest["written_by"], this_boot()["boot_id"]
+    if not boot or not isinstance(by, dict) or by.get("boot_id") != boot:
+        return False
+    return all(_as_written(path / name) == written for name, (_, _, written) in manifest["files"].items())
 
 
 def versions(root: Path) -> list[int]:
@@ -287,9 +298,9 @@ def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True, verify: str
     """The local directory of ``sync``'s weights, refusing anything outside ``root``.
 
     ``verify="manifest"``: the directory's manifest must hash to ``sync.sha256`` and list
-    every file at its size (:func:`check_manifest`; the pieces were hashed as they were
-    written, on this filesystem); ``"full"`` also re-hashes every piece (weights that crossed
-    untrusted storage), as does a manifest written before this machine's last reboot.
+    every file at its size, and every piece is re-hashed unless the files are as the writer
+    left them in this boot (:func:`check_manifest`); ``"full"``: every piece is re-hashed
+    (weights that crossed untrusted storage).
     """
     parts = urllib.parse.urlsplit(sync.uri)
     if parts.scheme != "file":
@@ -314,7 +325,8 @@ def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True, verify: str
 
 
 def load_into(model, directory: Path) -> None:
-    """Load a version directory's safetensors into ``model`` in place (strict, tied-aware).
+    """Load a version directory's safetensors into ``model`` (strict, tied-aware): a CPU model
+    of the files' dtype points at the files' bytes without copying them (streamer/tensorfile.py).
 
     A LoRA adapter directory (streamer/lora.py) is loaded into the model's adapter.
     """
@@ -327,13 +339,14 @@ def load_into(model, directory: Path) -> None:
             raise WeightsError(str(e)) from None
         return
 
-    params = model.state_dict()
+    # the model's own tensors (state_dict's are detached: pointing them elsewhere does nothing)
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
     files = sorted(Path(directory).glob("*.safetensors"))
-    _check_fits(
-        model, params.keys(), set().union(*(tensorfile.header(f)[0].keys() for f in files)), directory
-    )
-    for f in files:  # each tensor copied once, from the mapped file into the parameter
-        tensorfile.load_into(params, f)
+    names = set().union(*(tensorfile.header(f)[0].keys() for f in files))
+    _check_fits(model, model.state_dict().keys(), names, directory)
+    for f in files:
+        tensorfile.load_into(targets, f)
     if tied_keys(model):
         model.tie_weights()
 

@@ -1,15 +1,18 @@
 """Policy weights on disk: hashed piece by piece while written, announced by the sha256 of
-their manifest, verified by it or by every piece, loaded with one copy into the model; bad
-files are refused before anything changes."""
+their manifest, verified by it or by every piece, loaded into the model without a copy; bad files are
+refused before anything changes."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import struct
 
 import pytest
 import torch
+from blake3 import blake3
 
 from schemas import WeightSync
 from streamer import demo, pieces, tensorfile, weights
@@ -28,7 +31,12 @@ def test_written_version_loads_back_exactly_and_its_manifest_matches_a_full_hash
     manifest = json.loads((path / weights.MANIFEST).read_text())
     assert {"config.json", "model.safetensors"} <= manifest["files"].keys()
     for name, listed in manifest["files"].items():
-        assert listed == {"bytes": (path / name).stat().st_size, "pieces": _pieces(path / name)}
+        st = (path / name).stat()
+        assert listed == {
+            "bytes": st.st_size,
+            "pieces": _pieces(path / name),
+            "written": [st.st_ino, st.st_mtime_ns, st.st_ctime_ns],
+        }
     for mode in ("manifest", "full"):
         assert weights.resolve(_sync(uri, sha), tmp_path, verify=mode) == path
     weights.load_into(dst, path)
@@ -40,9 +48,29 @@ def test_written_version_loads_back_exactly_and_its_manifest_matches_a_full_hash
 
 
 def _pieces(path, piece: int = pieces.PIECE) -> list[str]:
-    """The definition, one piece after the other: the sha256 of each ``piece`` bytes."""
+    """The definition, one piece after the other: the BLAKE3 of each ``piece`` bytes."""
     data = path.read_bytes()
-    return [hashlib.sha256(data[i : i + piece]).hexdigest() for i in range(0, len(data), piece)]
+    return [blake3(data[i : i + piece]).hexdigest() for i in range(0, len(data), piece)]
+
+
+def test_a_loaded_model_shares_the_file_yet_owns_its_writes_and_outlives_the_directory(tmp_path):
+    src = demo.build_model(seed=1)
+    weights.write_version(src, tmp_path, 1)
+    path = weights.version_dir(tmp_path, 1)
+    on_disk = (path / "model.safetensors").read_bytes()
+    a, b = demo.build_model(seed=2), demo.build_model(seed=3).to(torch.bfloat16)
+    for model in (a, b):  # a: the file's dtype (mapped), b: another (cast and copied)
+        weights.load_into(model, path)
+        for (name, want), got in zip(src.state_dict().items(), model.state_dict().values()):
+            assert torch.equal(want.to(got.dtype), got), name
+    head = a.lm_head.weight
+    assert head is a.model.embed_tokens.weight  # still tied
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(1.0)  # the model's own page copies, never the file
+    assert (path / "model.safetensors").read_bytes() == on_disk
+    shutil.rmtree(path)
+    assert torch.equal(head, src.lm_head.weight + 1.0)
 
 
 def test_pieces_written_on_several_threads_are_the_bytes_and_their_hashes(tmp_path, monkeypatch):
@@ -56,17 +84,17 @@ def test_pieces_written_on_several_threads_are_the_bytes_and_their_hashes(tmp_pa
     assert len(hashes) == 7 and pieces.write(tmp_path / "empty", []) == ([], 0)
 
 
-def test_manifest_mode_refuses_a_wrong_sha_or_a_truncated_file_and_full_mode_a_flipped_byte(tmp_path):
+def test_a_wrong_sha_a_truncated_file_or_a_flipped_byte_is_refused(tmp_path):
     uri, sha = weights.write_version(demo.build_model(seed=1), tmp_path, 1)
     path = weights.version_dir(tmp_path, 1)
     with pytest.raises(WeightsError, match="sha256 mismatch"):
         weights.resolve(_sync(uri, "0" * 64), tmp_path)
     data = bytearray((path / "model.safetensors").read_bytes())
-    data[-1] ^= 0xFF  # same size, one byte changed: only a full re-hash can tell
+    data[-1] ^= 0xFF  # same size, one byte changed: written since, so hashed again
     (path / "model.safetensors").write_bytes(bytes(data))
-    assert weights.resolve(_sync(uri, sha), tmp_path, verify="manifest") == path
-    with pytest.raises(WeightsError, match="sha256 mismatch"):
-        weights.resolve(_sync(uri, sha), tmp_path, verify="full")
+    for mode in weights.VERIFY_MODES:
+        with pytest.raises(WeightsError, match="blake3 mismatch"):
+            weights.resolve(_sync(uri, sha), tmp_path, verify=mode)
     (path / "model.safetensors").write_bytes(bytes(data[:-4]))
     with pytest.raises(WeightsError, match="bytes, manifest.json says"):
         weights.resolve(_sync(uri, sha), tmp_path)
@@ -92,23 +120,36 @@ def test_full_mode_finds_a_changed_byte_in_any_piece_and_an_older_manifest_is_re
         data[at] ^= 0x01
         (path / "model.safetensors").write_bytes(bytes(data))
         piece = at // 4096 * 4096
-        with pytest.raises(WeightsError, match=f"sha256 mismatch in bytes {piece}-"):
+        with pytest.raises(WeightsError, match=f"blake3 mismatch in bytes {piece}-"):
             weights.resolve(_sync(uri, sha), tmp_path, verify="full")
-    # an older trainer's manifest (per-file sha256, announced by the safetensors' sha256)
-    old = {"format": 1, "version": 1, "sha256": "a" * 64, "files": {}}
-    (path / weights.MANIFEST).write_text(json.dumps(old))
-    with pytest.raises(WeightsError, match="format 1, this build reads 2"):
-        weights.resolve(_sync(uri, "a" * 64), tmp_path)
+    # an older trainer's manifests: per-file sha256 (1), the pieces' sha256 (2)
+    for form in (1, 2):
+        old = {"format": form, "version": 1, "piece_bytes": 4096, "files": {}}
+        (path / weights.MANIFEST).write_text(json.dumps(old))
+        with pytest.raises(WeightsError, match=f"format {form}, this build reads 3"):
+            weights.resolve(_sync(uri, "a" * 64), tmp_path)
 
 
-def test_a_version_written_on_this_machine_before_its_last_boot_is_hashed_in_full(tmp_path):
-    uri, _ = weights.write_version(demo.build_model(seed=1), tmp_path, 1)
+def test_manifest_mode_trusts_only_files_as_the_writer_left_them_in_this_boot(tmp_path, monkeypatch):
+    uri, sha = weights.write_version(demo.build_model(seed=1), tmp_path, 1)
     path = weights.version_dir(tmp_path, 1)
-    data = bytearray((path / "model.safetensors").read_bytes())
-    data[-1] ^= 0xFF  # the sizes survive, the bytes do not: what a lost page cache can leave
-    (path / "model.safetensors").write_bytes(bytes(data))
+    f = path / "model.safetensors"
+    original = f.read_bytes()
     manifest = json.loads((path / weights.MANIFEST).read_text())
     assert manifest["written_by"] == weights.this_boot()
+    hashed = []
+    of_file = pieces.of_file
+    monkeypatch.setattr(pieces, "of_file", lambda p, *a: hashed.append(p.name) or of_file(p, *a))
+    assert weights.resolve(_sync(uri, sha), tmp_path) == path and hashed == []
+    f.write_bytes(original)  # written to since, the same bytes: re-hashed, and they pass
+    assert weights.resolve(_sync(uri, sha), tmp_path) == path and "model.safetensors" in hashed
+    # a copy with one byte changed put in its place, its times set back to the original's
+    st = f.stat()
+    (path / "copy").write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
+    os.utime(path / "copy", ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(path / "copy", f)
+    with pytest.raises(WeightsError, match="blake3 mismatch in bytes"):
+        weights.resolve(_sync(uri, sha), tmp_path)
 
     def written_by(by: dict | None) -> WeightSync:
         """The version as if its manifest said it was written ``by`` (None: not saying),
@@ -119,11 +160,11 @@ def test_a_version_written_on_this_machine_before_its_last_boot_is_hashed_in_ful
         (path / weights.MANIFEST).write_text(json.dumps(manifest))
         return _sync(uri, hashlib.sha256((path / weights.MANIFEST).read_bytes()).hexdigest())
 
-    for by in ({"boot_id": "an-earlier-boot"}, None):
-        with pytest.raises(WeightsError, match="sha256 mismatch in bytes"):
+    # an earlier boot (what a lost page cache can leave), not saying, another machine: the
+    # files' times say nothing about the bytes there, which are hashed in full
+    for by in ({"boot_id": "an-earlier-boot"}, None, {"host": "another-host", "boot_id": "its-boot"}):
+        with pytest.raises(WeightsError, match="blake3 mismatch in bytes"):
             weights.resolve(written_by(by), tmp_path, verify="manifest")
-    # another machine's boot says nothing about this one's page cache: the manifest stands
-    assert weights.resolve(written_by({"host": "another-host", "boot_id": "its-boot"}), tmp_path) == path
 
 
 def test_tensorfile_round_trips_dtypes_and_refuses_bad_headers(tmp_path):
@@ -163,19 +204,6 @@ def test_finite_finds_any_nan_or_inf_wherever_it_is(dtype):
                 assert not tensorfile.finite(poisoned.view(1, n).t()), (n, pos, bad)
     huge = torch.full((64,), torch.finfo(dtype).max / 2).to(dtype)  # finite, but its sum is not
     assert not bool(torch.isfinite(huge.sum())) and tensorfile.finite(huge) and tensorfile.finite(-huge)
-
-
-def test_a_file_with_a_nan_is_refused_before_any_parameter_changes(tmp_path):
-    src, dst = demo.build_model(seed=1), demo.build_model(seed=2)
-    state = weights._unaliased(src.state_dict(), weights.tied_keys(src))
-    name = "model.layers.1.mlp.up_proj.weight"
-    state[name] = state[name].clone()
-    state[name][3, 4] = float("nan")
-    tensorfile.write(tmp_path / "model.safetensors", state)
-    before = {k: t.clone() for k, t in dst.state_dict().items()}
-    with pytest.raises(WeightsError, match=f"{name}.*inf or NaN"):
-        tensorfile.load_into(dst.state_dict(), tmp_path / "model.safetensors")
-    assert all(torch.equal(t, before[k]) for k, t in dst.state_dict().items())
 
 
 def test_a_check_sees_every_byte_once_before_it_is_written_and_stops_the_write(tmp_path, monkeypatch):
