@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,6 +63,9 @@ class Learner:
         self.model, self.cfg, self.ref_model, self.step = model, cfg, ref_model, step
         self.temperature = temperature if temperature > 0 else 1.0
         self.phases = dict.fromkeys(PHASES, 0.0)  # seconds per phase of the current trainer step
+        # called before each optimizer step changes the weights: the version writer may be
+        # reading them in place (consumers/versions.py)
+        self.before_update: Callable[[], None] = lambda: None
         self.device = next(model.parameters()).device
         loaded = precision.to_master(model)  # fp32 weights and AdamW state, whatever model.dtype is
         dtype = precision.compute_dtype(cfg.precision, device=self.device, loaded=loaded)
@@ -285,6 +289,7 @@ class Learner:
         self.strategy.sum_grads(self.params)  # over ranks: the single-device gradient (and metrics)
         out = self.strategy.sum_metrics(out, maxima=("is_weight_max",))
         t1 = self._clock()
+        self.before_update()
         out["grad_norm"], skipped = self.precision.step(self.optimizer, self.params, cfg.grad_clip)
         out["optimizer_steps_skipped"] = float(skipped)
         self.phases["forward_backward_seconds"] += t1 - t0

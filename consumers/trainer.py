@@ -109,6 +109,7 @@ class Trainer:
             untie=cfg.untied_versions,
             fence=lease,
         )
+        learner.before_update = self.versions.until_read  # the writer reads CPU weights in place
 
     @property
     def step(self) -> int:

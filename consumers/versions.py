@@ -1,12 +1,15 @@
 """Publishing policy versions: write the weights, then announce them, off the step's path.
 
-After a step the trainer hands over a snapshot of the weights (a CPU copy, taken at once,
-so training can go on) and a writer thread does the slow part in order: safetensors into
-``{weights_dir}/v{version}`` (streamer.weights.write_version: temp dir + rename), then one
-script that XADDs the :class:`WeightSync` to the policy stream and SETs the version key —
-so nobody learns of a version before its files exist, and a retried announcement adds no
-second copy — then prunes old versions. At most
-one version waits while another is written; a slower writer holds the step loop back.
+After a step the trainer hands the weights over and a writer thread does the slow part.
+Weights on the CPU are lent, not copied: the writer reads them in place while the next
+step's forward and backward passes run (which only read them too), and the learner waits
+for :meth:`VersionPublisher.until_read` before its optimizer changes them. Others (on a GPU)
+are copied to the CPU at once (a snapshot), so training goes on. In order, the writer
+writes safetensors into ``{weights_dir}/v{version}`` (streamer.weights.write_version: temp
+dir + rename), then runs one script that XADDs the :class:`WeightSync` to the policy stream
+and SETs the version key — so nobody learns of a version before its files exist, and a
+retried announcement adds no second copy — then prunes old versions. At most one version
+waits while another is written; a slower writer holds the step loop back.
 :meth:`VersionPublisher.drain` waits for everything handed over (before a checkpoint,
 so a checkpoint never names a version that was never published, and at exit).
 """
@@ -57,6 +60,7 @@ return 1
 
 
 POLICY_KEEP = 1000  # WeightSync entries kept on the policy stream (at least keep_versions)
+LENT = "lent"  # a queued version's weights: the trainer's own, read in place
 
 
 def snapshot(model, spare: WeightsCopy | None = None) -> WeightsCopy:
@@ -67,6 +71,10 @@ def snapshot(model, spare: WeightsCopy | None = None) -> WeightsCopy:
     if spare is not None and _refill(spare.state, model.state_dict()):
         return WeightsCopy(model, state=spare.state)
     return WeightsCopy(model)
+
+
+def _on_cpu(model) -> bool:
+    return all(t.device.type == "cpu" for t in model.state_dict().values())
 
 
 _CHUNK = 1 << 22  # bytes one thread copies at a time
@@ -130,6 +138,8 @@ class VersionPublisher:
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._spare: WeightsCopy | None = None  # a published snapshot whose memory the next reuses
         self._error: BaseException | None = None
+        self._read = threading.Event()  # set: no lent weights are left to read
+        self._read.set()
         self._announce = client.register_script(ANNOUNCE)
         self._thread = threading.Thread(target=self._run, name="trainer-versions", daemon=True)
         self._thread.start()
@@ -140,14 +150,24 @@ class VersionPublisher:
         self._write_and_announce(model, version, step)
 
     def submit(self, model, *, version: int, step: int) -> float:
-        """Snapshot ``model`` now, publish it as ``version`` soon; returns seconds blocked."""
+        """Publish ``model``'s weights as ``version`` soon: lent when they are all on the CPU
+        (they must not change before :meth:`until_read`), else a snapshot taken now; returns
+        seconds blocked (waiting for the weights lent last, and for the snapshot)."""
         self._raise_if_failed()
         start = time.monotonic()
+        self.until_read()  # the weights lent last: read before the step that made these
         own = not isinstance(model, weights.WeightsCopy)  # a caller's copy is the caller's
-        spare, self._spare = self._spare, None
-        copy = snapshot(model, spare) if own else model
-        self._queue.put((copy, version, step, own))
+        if own and _on_cpu(model):
+            self._read.clear()
+            self._queue.put((model, version, step, LENT))
+        else:
+            spare, self._spare = self._spare, None
+            self._queue.put((snapshot(model, spare) if own else model, version, step, own))
         return time.monotonic() - start
+
+    def until_read(self) -> None:
+        """Block until the writer is done reading weights lent to it (then they may change)."""
+        self._read.wait()
 
     def drain(self) -> None:
         """Block until every submitted version is published (raise if one failed)."""
@@ -179,9 +199,11 @@ class VersionPublisher:
         while (item := self._queue.get()) is not None:
             copy, version, step, own = item
             try:
-                if self._error is None:
+                if self._error is not None:
+                    self._read.set()  # not written: lent weights may change
+                else:
                     self._write_and_announce(copy, version, step)
-                    if own:
+                    if own is True:
                         self._spare = copy  # written and announced: the next snapshot's memory
             except BaseException as e:  # surfaced by the next submit/drain
                 if isinstance(e, StreamerError):  # a clear reason (disk full ...): one line
@@ -191,6 +213,7 @@ class VersionPublisher:
                 self._error = e
             finally:
                 self._queue.task_done()
+        self._read.set()
         self._queue.task_done()
 
     def _write_and_announce(self, model, version: int, step: int) -> None:
@@ -203,6 +226,8 @@ class VersionPublisher:
                 f"{version} is not published. Lower trainer.lr or check the data, then resume from the "
                 "last checkpoint"
             ) from None
+        finally:
+            self._read.set()  # written: lent weights may change
         sync = WeightSync(version=version, step=step, uri=uri, sha256=sha)
 
         payload = encode(sync)
