@@ -400,7 +400,7 @@ def first_forward(model, root: Path, newest: int, reps: int = 6) -> float:
     with torch.no_grad():
         fresh(ids)
         for i in range(reps):
-            weights.load_into(fresh, weights.version_dir(root, newest - i % 2))
+            weights.load_into(fresh, weights.version_dir(root, newest - i % 2), mapped=True)
             start = time.perf_counter()
             fresh(ids)
             first = time.perf_counter() - start

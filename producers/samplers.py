@@ -139,7 +139,7 @@ class LocalSampler:
             return
 
         check_fits(self.model, directory)
-        weights.load_into(self.model, directory)
+        weights.load_into(self.model, directory, mapped=True)
 
     def close(self) -> None:
         pass

@@ -91,7 +91,9 @@ class MetricsSection(Section):
 class WeightsSection(Section):
     """How producers and the evaluator check a policy version before loading it."""
 
-    verify: Literal["manifest", "full"] = "manifest"  # manifest = re-hash files changed since written; full = all
+    verify: Literal["manifest", "full"] = (
+        "manifest"  # manifest = re-hash files changed since written; full = all
+    )
 
 
 class ArchiveSection(Section):

@@ -125,14 +125,14 @@ def _check(path: Path, name: str, spec, data_bytes: int) -> None:
         raise WeightsError(f"{path}: tensor {name!r} has offsets that do not match its shape or the file")
 
 
-def load_into(targets: dict[str, torch.Tensor], path: Path) -> set[str]:
+def load_into(targets: dict[str, torch.Tensor], path: Path, *, mapped: bool = False) -> set[str]:
     """Load every tensor of the file into ``targets[name]`` (a model's parameters and buffers,
     by their state-dict names); the names it held.
 
-    A CPU target of the file's dtype takes the file's bytes without a copy: its ``.data``
-    becomes a view of the file mapped copy-on-write (every reader of a file shares its page
-    cache, and a write copies only the page it touches; the file may be deleted meanwhile).
-    Any other target is copied into in place: a floating tensor cast to the target's floating
+    ``mapped`` (a sampler's weights, read and never written): a CPU target of the file's dtype
+    takes the file's bytes without a copy: its ``.data`` becomes a view of the file mapped
+    copy-on-write (every reader of a file shares its page cache; the file may be deleted
+    meanwhile, its space freed once no view is left). Any other target is copied into in place: a floating tensor cast to the target's floating
     dtype (a float32 file into a bfloat16 model), or onto its device. Raises WeightsError
     (before changing anything) for a name not in ``targets``, a shape that differs, or a dtype
     that cannot be cast (integer against float). The values are not looked at: a policy
@@ -163,7 +163,12 @@ def load_into(targets: dict[str, torch.Tensor], path: Path) -> set[str]:
         for name, dtype, begin, end in spans:
             target = targets[name]
             view = _view(mm, dtype, begin, end - begin).view(target.shape)
-            if target.device.type == "cpu" and target.dtype == dtype and begin % dtype.itemsize == 0:
+            if (
+                mapped
+                and target.device.type == "cpu"
+                and target.dtype == dtype
+                and begin % dtype.itemsize == 0
+            ):
                 target.data, shared = view, True
             else:
                 target.copy_(view)  # casts float to float

@@ -20,7 +20,8 @@ trainer publishes its checkpoint again under a new number), or a file written to
 A version directory is never changed once it is in place (a newer version is a new
 directory; pruning deletes whole directories): a sampler on the CPU maps the files it loads
 rather than copying them (streamer/tensorfile.py), so rewriting or truncating a loaded file
-in place would change or crash it (SIGBUS), where deleting it changes nothing.
+in place would change or crash it (SIGBUS), where deleting it changes nothing (its space is
+freed when the sampler loads another version).
 """
 
 from __future__ import annotations
@@ -324,9 +325,10 @@ def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True, verify: str
     return path
 
 
-def load_into(model, directory: Path) -> None:
-    """Load a version directory's safetensors into ``model`` (strict, tied-aware): a CPU model
-    of the files' dtype points at the files' bytes without copying them (streamer/tensorfile.py).
+def load_into(model, directory: Path, *, mapped: bool = False) -> None:
+    """Load a version directory's safetensors into ``model`` in place (strict, tied-aware).
+    ``mapped`` (a sampler's model): a CPU model of the files' dtype points at the files'
+    bytes instead of copying them (streamer/tensorfile.py).
 
     A LoRA adapter directory (streamer/lora.py) is loaded into the model's adapter.
     """
@@ -346,7 +348,7 @@ def load_into(model, directory: Path) -> None:
     names = set().union(*(tensorfile.header(f)[0].keys() for f in files))
     _check_fits(model, model.state_dict().keys(), names, directory)
     for f in files:
-        tensorfile.load_into(targets, f)
+        tensorfile.load_into(targets, f, mapped=mapped)
     if tied_keys(model):
         model.tie_weights()
 

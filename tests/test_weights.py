@@ -4,11 +4,13 @@ refused before anything changes."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
 import shutil
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,14 +55,24 @@ def _pieces(path, piece: int = pieces.PIECE) -> list[str]:
     return [blake3(data[i : i + piece]).hexdigest() for i in range(0, len(data), piece)]
 
 
-def test_a_loaded_model_shares_the_file_yet_owns_its_writes_and_outlives_the_directory(tmp_path):
+def _mapped(path) -> bool:
+    """Whether this process maps the file at ``path`` (deleted or not)."""
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+def test_a_mapped_load_shares_the_file_yet_owns_its_writes_and_outlives_the_directory(tmp_path):
     src = demo.build_model(seed=1)
     weights.write_version(src, tmp_path, 1)
     path = weights.version_dir(tmp_path, 1)
-    on_disk = (path / "model.safetensors").read_bytes()
-    a, b = demo.build_model(seed=2), demo.build_model(seed=3).to(torch.bfloat16)
-    for model in (a, b):  # a: the file's dtype (mapped), b: another (cast and copied)
-        weights.load_into(model, path)
+    f = path / "model.safetensors"
+    on_disk = f.read_bytes()
+    a, b, c = demo.build_model(seed=2), demo.build_model(seed=3).to(torch.bfloat16), demo.build_model(seed=4)
+    weights.load_into(c, path)  # a trainer's load (a checkpoint's weights): copied
+    weights.load_into(b, path, mapped=True)  # another dtype: cast and copied
+    assert not _mapped(f)
+    weights.load_into(a, path, mapped=True)
+    assert _mapped(f)
+    for model in (a, b, c):
         for (name, want), got in zip(src.state_dict().items(), model.state_dict().values()):
             assert torch.equal(want.to(got.dtype), got), name
     head = a.lm_head.weight
@@ -68,9 +80,14 @@ def test_a_loaded_model_shares_the_file_yet_owns_its_writes_and_outlives_the_dir
     with torch.no_grad():
         for p in a.parameters():
             p.add_(1.0)  # the model's own page copies, never the file
-    assert (path / "model.safetensors").read_bytes() == on_disk
+    assert f.read_bytes() == on_disk
     shutil.rmtree(path)
     assert torch.equal(head, src.lm_head.weight + 1.0)
+    weights.write_version(src, tmp_path, 2)
+    weights.load_into(a, weights.version_dir(tmp_path, 2), mapped=True)
+    del head
+    gc.collect()
+    assert not _mapped(f), "the deleted version's space is held after the model moved on"
 
 
 def test_pieces_written_on_several_threads_are_the_bytes_and_their_hashes(tmp_path, monkeypatch):
