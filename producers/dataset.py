@@ -22,6 +22,8 @@ import numpy as np
 from streamer import demo
 from streamer.errors import DatasetError
 
+CACHED_ROWS = 1 << 16  # row indices the cached permutations hold at most (4 epochs at least)
+
 
 def load_rows(source: str, *, split: str = "train") -> list[dict]:
     """Rows of ``source``: "demo" (the built-in task's ``split``) or a JSONL path."""
@@ -101,6 +103,8 @@ class Order:
         if n_rows <= 0:
             raise ValueError("a dataset needs at least one row")
         self.n_rows, self.seed, self.shuffle = n_rows, seed, shuffle
+        # a claim's window of tickets spans many epochs of a small dataset: keep them all
+        self.permutation = functools.lru_cache(maxsize=max(4, CACHED_ROWS // n_rows))(self._permutation)
 
     def position(self, ticket: int) -> Position:
         epoch, i = divmod(ticket, self.n_rows)
@@ -122,6 +126,5 @@ class Order:
         """Tickets in ``epochs`` epochs; None when unbounded (epochs == 0)."""
         return self.n_rows * epochs if epochs > 0 else None
 
-    @functools.lru_cache(maxsize=4)  # noqa: B019 - a few epochs, one Order per process
-    def permutation(self, epoch: int) -> np.ndarray:
+    def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
