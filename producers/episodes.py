@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from schemas import Sample, Span
-from schemas.events import LOGPROB_DTYPE
+from schemas.events import LOGPROB_DTYPE, TOKEN_DTYPE
 from schemas.metric_names import EPISODE_DROP_REASONS
 from streamer.errors import EpisodeRejected
 from streamer.rollout.contract import Episode, Segment
@@ -28,6 +28,7 @@ from streamer.rollout.contract import Episode, Segment
 REASONS = EPISODE_DROP_REASONS
 LOGPROB_TOLERANCE = 1e-4  # a log-prob this far above 0 is float error (p = 1), trained as 0
 MAX_VERSION = 2**63 - 1  # the wire's version field is an int64
+FLOAT32_MAX = float(np.finfo(LOGPROB_DTYPE).max)  # a log-prob past it is sent as inf
 
 
 def check_group(
@@ -117,25 +118,18 @@ def _to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int, max_versi
         raise EpisodeRejected("malformed", "empty prompt or nothing after it")
     if not spans:
         raise EpisodeRejected("malformed", "no sampled segment")
-    _check_token_ids(tokens, vocab_size)
-    # checked as sent: a float64 log-prob beyond float32's range would arrive as inf
-    with np.errstate(over="ignore"):
-        lps = np.asarray(logprobs, LOGPROB_DTYPE)
-    if not np.isfinite(lps).all():
-        raise EpisodeRejected("bad_logprob", "a sampled token's log-prob is NaN or infinite")
-    if (lps > 0).any():  # a probability above 1; within the tolerance, an engine's rounding of 0
-        if lps.max() > LOGPROB_TOLERANCE:
-            raise EpisodeRejected("bad_logprob", f"a sampled token's log-prob is {lps.max():g} > 0")
-        np.minimum(lps, 0, out=lps)
+    ids = _token_ids(tokens, vocab_size)
+    lps = _logprobs(logprobs)
     if max_seq_len and len(tokens) > max_seq_len:
         raise EpisodeRejected("too_long", f"{len(tokens)} tokens > max_seq_len {max_seq_len}")
     if not _finite(episode.reward):
         raise EpisodeRejected("bad_reward", f"reward {episode.reward!r:.40} is not a finite number")
     single = len(spans) == 1 and spans[0].start == 0 and spans[0].end == len(logprobs)
+    n = len(segs[0].tokens)
     return Sample.build(
-        prompt_ids=segs[0].tokens,
-        completion_ids=tokens[len(segs[0].tokens) :],
-        logprobs=lps,  # float32 already: packed as checked
+        prompt_ids=ids[:n],
+        completion_ids=ids[n:],
+        logprobs=lps,  # int32 and float32 already: packed as checked
         reward=float(episode.reward),
         finish_reason=episode.finish_reason if episode.finish_reason in ("stop", "length") else "stop",
         version=min(s.version for s in spans),
@@ -181,8 +175,8 @@ def claimed_version(episodes: list) -> int:
     )
 
 
-def _check_token_ids(tokens: list, vocab_size: int) -> None:
-    """Every id an integer in ``[0, vocab_size)`` (so an int32 too)."""
+def _token_ids(tokens: list, vocab_size: int) -> np.ndarray:
+    """``tokens`` as int32, every id an integer in ``[0, vocab_size)``."""
     try:
         ids = np.asarray(tokens, np.int64)
     except (OverflowError, ValueError, TypeError):  # past int64, None, text: name the first
@@ -191,11 +185,26 @@ def _check_token_ids(tokens: list, vocab_size: int) -> None:
         if ids.ndim != 1:
             raise EpisodeRejected("bad_token", "token ids must be a flat list of integers")
         if ids.min() >= 0 and ids.max() < vocab_size:
-            return
+            return ids.astype(TOKEN_DTYPE)
         bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
     if not _integer(bad):
         raise EpisodeRejected("bad_token", f"token id {bad!r:.40} is not an integer")
     raise EpisodeRejected("bad_token", f"token id {bad} outside the vocabulary [0, {vocab_size})")
+
+
+def _logprobs(logprobs: list) -> np.ndarray:
+    """``logprobs`` as float32, checked as sent: finite in float32 (a float64 beyond its range
+    would arrive as inf) and at most 0, up to :data:`LOGPROB_TOLERANCE` (trained as 0)."""
+    lps = np.asarray(logprobs, np.float64)
+    low, high = lps.min(), lps.max()  # NaN if any is
+    if not -FLOAT32_MAX <= low <= high <= FLOAT32_MAX:
+        raise EpisodeRejected("bad_logprob", "a sampled token's log-prob is NaN or infinite")
+    lps = lps.astype(LOGPROB_DTYPE)
+    if high > 0:  # a probability above 1; within the tolerance, an engine's rounding of 0
+        if lps.max() > LOGPROB_TOLERANCE:
+            raise EpisodeRejected("bad_logprob", f"a sampled token's log-prob is {lps.max():g} > 0")
+        np.minimum(lps, 0, out=lps)
+    return lps
 
 
 def _integer(x) -> bool:
