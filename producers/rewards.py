@@ -89,16 +89,20 @@ async def score_all(
     """The reward of each (text, sample); None where the reward failed (logged, as ``name``).
     An async ``fn`` is awaited for all of them at once (``bounds``: :func:`score_async`'s)."""
     out: list[float | None] = [None] * len(texts)
+    sync = not is_async(fn)  # asked once: inspect's answer costs more than a small reward
 
     async def one(i: int) -> None:
         try:
-            out[i] = await score_async(fn, row, texts[i], samples[i], **bounds)
+            if sync:
+                out[i] = score(fn, row, texts[i], samples[i])
+            else:
+                out[i] = await score_async(fn, row, texts[i], samples[i], **bounds)
         except (SamplerError, EpisodeRejected):
             raise  # an outage, or the whole rollout's rejection: not this sample's failure
         except Exception as e:  # a user function: anything it raises marks the sample failed
             log.warning("reward %s raised %s: %s (sample dropped)", name or _name(fn), type(e).__name__, e)
 
-    if not is_async(fn):
+    if sync:
         for i in range(len(texts)):
             await one(i)
         return out
