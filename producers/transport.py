@@ -16,8 +16,6 @@ differ in version.
 
 from __future__ import annotations
 
-import dataclasses
-
 import anyio
 
 from producers.follow import WeightFollower
@@ -94,4 +92,5 @@ class Transport:
 
 
 def _stamped(completions: list[Completion], version: int) -> list[Completion]:
-    return [dataclasses.replace(c, version=version) for c in completions]
+    # built directly: dataclasses.replace reads the fields anew for every completion
+    return [Completion(c.token_ids, c.logprobs, c.finish_reason, version) for c in completions]
