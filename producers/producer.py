@@ -109,6 +109,9 @@ class Producer:
             trips=self.trips,
             concurrency=self.producer_cfg.concurrency,
             reward_concurrency=cfg.reward.concurrency,
+            alone=rollout is None
+            and self.producer_cfg.rollout in ("", DEFAULT_ROLLOUT)
+            and not self.producer_cfg.rollout_timeout,
         )
         self.outages = Outages(client, self.keys, self.leases, stop=self.stop, who=f"producer {producer_id}")
         self._heartbeat = Heartbeat(self, min(HEARTBEAT_SECONDS, self.producer_cfg.lease_seconds / 3))

@@ -6,7 +6,9 @@
 - An in-process model: the engine calls of concurrent episodes are batched into one
   ``sample_many`` (:class:`streamer.rollout.batching.MicroBatcher`). With one row in flight its
   Redis calls run on the event loop itself: while one runs the loop has nothing else to
-  do, and a thread hop costs more CPU than the call.
+  do, and a thread hop costs more CPU than the call. So do its engine calls when the row's
+  rollout does nothing else meanwhile either (``alone``: the built-in single turn, with no
+  rollout timeout to enforce mid-call).
 
 Every engine call first loads a newer policy if there is one (the claim's reply says so,
 else the policy stream is read), under the :class:`~producers.inflight.WeightGate`, and its
@@ -36,6 +38,7 @@ class Transport:
         trips: Trips,
         concurrency: int,
         reward_concurrency: int,
+        alone: bool = False,
     ):
         self.sampler, self.follower, self.trips, self.pending = sampler, follower, trips, trips.pending
         self.max_parallel = getattr(sampler, "max_parallel", 1)
@@ -43,6 +46,7 @@ class Transport:
         in_process = self.max_parallel == 1 and hasattr(sampler, "sample_many")
         self.sample = MicroBatcher(self._sample_batch).sample if in_process else self._sample_one
         self.redis = self._inline if in_process and concurrency == 1 else self._in_thread
+        self._engine = self._inline if in_process and concurrency == 1 and alone else self._engine_thread
 
     def start(self) -> None:
         """The parts that belong to one event loop (anyio's): first thing in each loop."""
@@ -57,6 +61,9 @@ class Transport:
     async def _in_thread(self, fn, *args, **kwargs):
         return await blocking(fn, *args, limiter=self._redis_limiter, **kwargs)
 
+    async def _engine_thread(self, fn, *args, **kwargs):
+        return await blocking(fn, *args, limiter=self._sample_limiter, **kwargs)
+
     async def _sample_one(self, prompt_ids: list[int], **kwargs) -> list[Completion]:
         """One engine call in a worker thread."""
         await self._follow_weights()
@@ -70,7 +77,7 @@ class Transport:
         await self._follow_weights()
         async with self.gate.reading():
             version = self.follower.version
-            out = await blocking(self.sampler.sample_many, prompts, limiter=self._sample_limiter, **kwargs)
+            out = await self._engine(self.sampler.sample_many, prompts, **kwargs)
         return [_stamped(cs, version) for cs in out]
 
     async def _follow_weights(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
 
 import anyio
 import pytest
@@ -225,6 +226,31 @@ def test_concurrent_engine_calls_on_a_local_model_are_batched():
 
     anyio.run(main)
     assert calls == [6] and all(got[i][0].token_ids == [i] for i in range(6))
+
+
+@pytest.mark.parametrize(
+    "settings, rollout, on_the_loop",
+    [
+        ({}, None, True),  # the built-in single turn, one row in flight: nothing else could run
+        ({"rollout_timeout": 30.0}, None, False),  # a timeout is enforced mid-call
+        ({}, single_turn, False),  # a rollout of the user's may have other work in flight
+        ({"concurrency": 2}, None, False),  # other rows may
+    ],
+)
+def test_a_local_models_engine_call_runs_on_the_event_loop_only_when_nothing_else_could(
+    keys, redis_url, tmp_path, client, settings, rollout, on_the_loop
+):
+    p = make_producer(run_cfg(keys, redis_url, tmp_path, **settings), client, rollout=rollout)
+    threads, sample_many = [], p.sampler.sample_many
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return sample_many(*args, **kwargs)
+
+    p.sampler.sample_many = recorded
+    assert p.step() == "published"
+    assert len(threads) == 1 and (threads[0] == threading.get_ident()) == on_the_loop
+    nothing_held(client, keys)
 
 
 class _Service:
