@@ -6,9 +6,9 @@
 - An in-process model: the engine calls of concurrent episodes are batched into one
   ``sample_many`` (:class:`streamer.rollout.batching.MicroBatcher`). With one row in flight its
   Redis calls run on the event loop itself: while one runs the loop has nothing else to
-  do, and a thread hop costs more CPU than the call. So do its engine calls when the row's
-  rollout does nothing else meanwhile either (``alone``: the built-in single turn, with no
-  rollout timeout to enforce mid-call).
+  do, and a thread hop costs more CPU than the call. So do its engine calls, unbatched,
+  when the row's rollout does nothing else meanwhile either (``alone``: the built-in single
+  turn, one engine call per row, with no rollout timeout to enforce mid-call).
 
 Every engine call first loads a newer policy if there is one (the claim's reply says so,
 else the policy stream is read), under the :class:`~producers.inflight.WeightGate`, and its
@@ -44,9 +44,12 @@ class Transport:
         self.max_parallel = getattr(sampler, "max_parallel", 1)
         self.concurrency, self.reward_concurrency = concurrency, reward_concurrency
         in_process = self.max_parallel == 1 and hasattr(sampler, "sample_many")
-        self.sample = MicroBatcher(self._sample_batch).sample if in_process else self._sample_one
+        alone = alone and concurrency == 1  # one engine call at a time: nothing to batch
+        self.sample = (
+            MicroBatcher(self._sample_batch).sample if in_process and not alone else self._sample_one
+        )
         self.redis = self._inline if in_process and concurrency == 1 else self._in_thread
-        self._engine = self._inline if in_process and concurrency == 1 and alone else self._engine_thread
+        self._engine = self._inline if in_process and alone else self._engine_thread
 
     def start(self) -> None:
         """The parts that belong to one event loop (anyio's): first thing in each loop."""
@@ -65,11 +68,11 @@ class Transport:
         return await blocking(fn, *args, limiter=self._sample_limiter, **kwargs)
 
     async def _sample_one(self, prompt_ids: list[int], **kwargs) -> list[Completion]:
-        """One engine call in a worker thread."""
+        """One engine call."""
         await self._follow_weights()
         async with self.gate.reading():
             version = self.follower.version
-            out = await blocking(self.sampler.sample, prompt_ids, limiter=self._sample_limiter, **kwargs)
+            out = await self._engine(self.sampler.sample, prompt_ids, **kwargs)
         return _stamped(out, version)
 
     async def _sample_batch(self, prompts: list[list[int]], **kwargs) -> list[list[Completion]]:
