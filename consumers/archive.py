@@ -7,8 +7,9 @@ JSON line — the decoded prompt and completions, rewards, the version that samp
 completion, the producer, the verdict of the trainer's filters and the advantages — to gzip
 files under
 ``{run_dir}/archive/``: ``rollouts-000001.jsonl.gz``, a new file past
-``archive.file_bytes``, the oldest deleted past ``archive.max_bytes``. Each batch is
-flushed before it is acknowledged, so `streamer samples --follow` sees it at once.
+``archive.file_bytes``, the oldest deleted past ``archive.max_bytes``. It reads at most every
+half second unless it is behind (a full batch), and each batch is flushed before it is
+acknowledged, so `streamer samples --follow` sees a group within about a second.
 
 The verdict is the archiver's own re-judgement with the trainer's filters, at the policy
 version it reads the group under (recorded as ``verdict_by`` / ``verdict_version``): the
@@ -50,6 +51,10 @@ log = logging.getLogger(__name__)
 
 CONSUMER_NAME = "archiver"
 PATTERN = "rollouts-*.jsonl.gz"
+# seconds to let groups gather after a read that found less than a full batch: the read, the
+# version, the gzip flush and the ack each cost the same for one group as for dozens
+GATHER_SECONDS = 0.5
+STOP_SERVER_WAIT = 10.0  # seconds a stopping archiver waits for an unreachable server
 
 
 def archive_dir(cfg: RunConfig) -> Path:
@@ -288,7 +293,14 @@ class Archiver:
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            retrying(lambda: self.step(block=1.0), what="archiving rollouts")
+            if retrying(lambda: self.step(block=1.0), what="archiving rollouts") < self.cfg.bus.read_count:
+                stop.wait(GATHER_SECONDS)
+        # stopping (after the producers): what gathered since the last read
+        retrying(self._drain, what="archiving the last rollouts", give_up_after=STOP_SERVER_WAIT)
+
+    def _drain(self) -> None:
+        while self.step(block=0):
+            pass
 
     def close(self) -> None:
         if self.writer is not None:

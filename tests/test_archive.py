@@ -9,6 +9,8 @@ import json
 import logging
 import random
 import subprocess
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -59,6 +61,30 @@ def test_every_group_is_archived_as_text_and_samples_prints_it(client, keys, red
     assert out.count("== ") == 6 and "reward +0.000" not in out
     info = {g["name"].decode(): g for g in client.xinfo_groups(keys.traj)}
     assert info[ARCHIVE_GROUP]["pending"] == 0
+
+
+def test_a_stopping_archiver_archives_what_arrived_since_its_last_read(client, keys, redis_url, tmp_path):
+    cfg = _cfg(keys, redis_url, tmp_path)
+    rng = random.Random(0)
+    publish(client, keys.traj, [make_group(rng, rewards=(1.0, 0.0), row=i) for i in range(3)])
+    archiver = Archiver(cfg, client=client, tokenizer=demo.tokenizer())
+    stop = threading.Event()
+    reads = []
+    step = archiver.step
+    archiver.step = lambda block=None: reads.append(step(block=block)) or reads[-1]
+    runner = threading.Thread(target=archiver.run, args=(stop,))
+    runner.start()
+    deadline = time.monotonic() + 10
+    while not reads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # published while it waits for more to gather: one batch, read as it stops
+    publish(client, keys.traj, [make_group(rng, rewards=(1.0, 0.0), row=i) for i in range(3, 7)])
+    stop.set()
+    runner.join(10)
+    archiver.close()
+    assert reads[0] == 3 and sum(reads) == archiver.archived == len(_records(cfg)) == 7
+    info = {g["name"].decode(): g for g in client.xinfo_groups(keys.traj)}
+    assert info[ARCHIVE_GROUP]["pending"] == 0 and info[ARCHIVE_GROUP]["lag"] == 0
 
 
 def _records(cfg) -> list[dict]:
