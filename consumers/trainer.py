@@ -10,8 +10,8 @@ owns every trajectory entry's bookkeeping). Then, per step:
     feed.trained(ready)                             # admission slots back
     version += 1; snapshot the weights for the version writer, which writes them and
         XADDs the WeightSync + SETs the version key in one MULTI (consumers/versions.py)
-    every checkpoint_every steps (sooner when the trained but unacknowledged entries near
-        half of bus.max_unacked): checkpoint, then the feed XACKs what it covers and trims
+    checkpoint_every steps after the last checkpoint (sooner when the trained but unacknowledged
+        entries near half of bus.max_unacked): checkpoint, then the feed XACKs what it covers and trims
     publish the step's train metrics
 
 SIGTERM/SIGINT: the current step finishes, a final checkpoint covers what was trained,
@@ -90,6 +90,7 @@ class Trainer:
         self.version = 0
         self.parent: str | None = None  # the newest checkpoint
         self.checkpointed_version = -1
+        self.checkpointed_step = 0  # the newest checkpoint's step (0: none yet)
         self.high_water = "0-0"  # the restored checkpoint's newest entry id trained into the model
         self.data_position: position.DataPosition | None = None  # the restored checkpoint's
         self.feed: Feeder | None = None
@@ -170,6 +171,7 @@ class Trainer:
             path, meta = found
             self.learner.restore(path, meta)
             self.parent, self.high_water, self.checkpointed_version = meta.name, meta.high_water, meta.version
+            self.checkpointed_step = meta.step
             self.data_position = meta.data
             log.info("restored checkpoint %s (step %d, high-water %s)", meta.name, meta.step, meta.high_water)
         self.learner.gather()  # sharded: the weights publish_now writes
@@ -229,7 +231,7 @@ class Trainer:
         # Trained entries stay unacknowledged until a checkpoint covers them, and producers
         # wait while bus.max_unacked entries are: checkpoint early rather than deadlock.
         early = self.feed.uncovered + self.trainer_cfg.groups_per_step > self.cfg.bus.max_unacked // 2
-        if self.step % self.trainer_cfg.checkpoint_every == 0 or early:
+        if self.step - self.checkpointed_step >= self.trainer_cfg.checkpoint_every or early:
             self.checkpoint()
         rewards = [r for g in ready.groups for r in g.episode_rewards().tolist()]
         lengths = [s.completion_len for g in ready.groups for s in g.samples]
@@ -305,7 +307,7 @@ class Trainer:
             covered=covered,
             data=data,
         )
-        self.parent, self.checkpointed_version = meta.name, meta.version
+        self.parent, self.checkpointed_version, self.checkpointed_step = meta.name, meta.version, meta.step
         self.feed.checkpointed(covered, give_up_after=self.give_up_after)
         retrying(  # a trainer that finds no checkpoint knows whether the run has one
             lambda: resume.record_checkpoint(self.client, self.keys, meta.name),

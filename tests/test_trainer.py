@@ -185,6 +185,17 @@ def test_crash_between_checkpoint_and_ack_trains_nothing_twice(
     assert client.xpending(keys.traj, TRAINER_GROUP)["pending"] == 0
 
 
+def test_checkpoint_every_counts_from_the_last_checkpoint_an_early_one_included(
+    redis_url, keys, client, tmp_path
+):
+    rng = random.Random(4)
+    publish(client, keys.traj, [make_group(rng) for _ in range(24)])
+    cfg = _cfg(redis_url, keys, tmp_path, steps=12, checkpoint_every=6, max_staleness=100)
+    cfg = replace(cfg, bus={"max_unacked": 16})  # early once 4 steps (8 groups) wait for one
+    assert _trainer(cfg, client, keys).run() == 0
+    assert [m.step for m in checkpoint.audit_chain(cfg.checkpoint_dir)] == [4, 8, 12]
+
+
 @pytest.mark.slow
 def test_train_process_lock_step_with_a_publisher(private_valkey, tmp_path):
     """`streamer train` as a process, fed on-policy groups sampled from each published version."""
