@@ -61,6 +61,9 @@ from streamer.keys import TRAINER_GROUP, Keys
 log = logging.getLogger(__name__)
 
 TRIM_SECONDS = 1.0  # the least time between two trims after rejections
+# while the step loop trains, the most seconds between two reads: groups gather and are read
+# (and judged, and their rejections released) several at a time instead of one by one
+GATHER_SECONDS = 0.1
 
 
 @dataclass
@@ -117,6 +120,7 @@ class Feeder:
         self._trained: list[tuple[str, str]] = []  # (entry id, group id) since the last checkpoint
         self._buffer: collections.deque[tuple[str, TrajectoryGroup]] = collections.deque()
         self._ready: Ready | None = None
+        self._wanted = False  # the step loop waits in next(): read at once
         self._generation = 0  # bumped when groups are handed back: a batch being built is void
         self._owned: set[str] = set()
         self._rejected: collections.Counter[str] = collections.Counter()
@@ -174,7 +178,12 @@ class Feeder:
     def next(self, timeout: float) -> Ready | None:
         """The next collated batch, or None after ``timeout``; re-raises the thread's error."""
         with self._cond:
-            self._cond.wait_for(lambda: self._ready is not None or self._error is not None, timeout)
+            self._wanted = True
+            self._cond.notify_all()
+            try:
+                self._cond.wait_for(lambda: self._ready is not None or self._error is not None, timeout)
+            finally:
+                self._wanted = False
             if isinstance(self._error, StreamerError):  # a clear reason: the CLI's one line
                 raise self._error
             if self._error is not None:
@@ -280,6 +289,7 @@ class Feeder:
                     with self._cond:
                         self._cond.wait(0.2)
                 else:
+                    self._gather()
                     self._pull()
         except BaseException as e:  # surfaced to the step loop by next()
             if isinstance(e, StreamerError):
@@ -317,6 +327,11 @@ class Feeder:
         if entries:
             merged = sorted([*self._buffer, *entries], key=lambda e: parse_id(e[0]))
             self._buffer = collections.deque(merged)
+
+    def _gather(self) -> None:
+        """Unless the step loop waits for a batch, let groups gather for GATHER_SECONDS."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._wanted or self._stop.is_set(), GATHER_SECONDS)
 
     def _pull(self) -> None:
         with self._cond:
