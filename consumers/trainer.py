@@ -8,8 +8,9 @@ owns every trajectory entry's bookkeeping). Then, per step:
     ready = the next batch, fresh at hand-off (collated while the last step ran)
     learner.train_step(ready.batch)                 # consumers/learner.py
     feed.trained(ready)                             # admission slots back
-    version += 1; snapshot the weights for the version writer, which writes them and
-        XADDs the WeightSync + SETs the version key in one MULTI (consumers/versions.py)
+    version += 1; hand the weights to the version writer (lent on the CPU: the next step's
+        optimizer waits until they are read; a snapshot on a GPU), which writes them and
+        XADDs the WeightSync + SETs the version key in one script (consumers/versions.py)
     checkpoint_every steps after the last checkpoint (sooner when the trained but unacknowledged
         entries near half of bus.max_unacked): checkpoint, then the feed XACKs what it covers and trims
     publish the step's train metrics
