@@ -91,9 +91,7 @@ class MetricsSection(Section):
 class WeightsSection(Section):
     """How producers and the evaluator check a policy version before loading it."""
 
-    verify: Literal["manifest", "full"] = (
-        "manifest"  # manifest = re-hash files changed since written; full = all
-    )
+    verify: Literal["manifest", "full"] = "manifest"  # manifest = re-hash changed files; full = all
 
 
 class ArchiveSection(Section):

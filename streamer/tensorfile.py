@@ -5,8 +5,9 @@ length, a JSON header ``{name: {dtype, shape, data_offsets}}`` padded to 8 bytes
 raw tensor bytes. Writing it here rather than through ``save_pretrained`` lets the writer
 hash the bytes as it writes them, piece by piece on several threads (streamer/pieces.py),
 instead of reading the file back to hash it afterwards.
-Loading maps the file and points each parameter at its bytes, copying none (``load_file``
-+ ``load_state_dict`` copy every byte twice). The reader checks the header
+Loading maps the file and copies each tensor straight into the model's parameter, or, for a
+sampler, points the parameter at the mapped bytes (``load_file`` + ``load_state_dict`` copy
+every byte twice). The reader checks the header
 (known dtypes, offsets inside the file, sizes that match the shapes) before touching data;
 it never unpickles anything.
 """
@@ -132,12 +133,13 @@ def load_into(targets: dict[str, torch.Tensor], path: Path, *, mapped: bool = Fa
     ``mapped`` (a sampler's weights, read and never written): a CPU target of the file's dtype
     takes the file's bytes without a copy: its ``.data`` becomes a view of the file mapped
     copy-on-write (every reader of a file shares its page cache; the file may be deleted
-    meanwhile, its space freed once no view is left). Any other target is copied into in place: a floating tensor cast to the target's floating
-    dtype (a float32 file into a bfloat16 model), or onto its device. Raises WeightsError
-    (before changing anything) for a name not in ``targets``, a shape that differs, or a dtype
-    that cannot be cast (integer against float). The values are not looked at: a policy
-    version is checked for inf and NaN as it is written, and its reader makes sure these are
-    still the bytes written (streamer/weights.py).
+    meanwhile, its space freed once no view is left). Any other target is copied into in
+    place: a floating tensor cast to the target's floating dtype (a float32 file into a
+    bfloat16 model), or onto its device. Raises WeightsError (before changing anything) for a
+    name not in ``targets``, a shape that differs, or a dtype that cannot be cast (integer
+    against float). The values are not looked at: a policy version is checked for inf and NaN
+    as it is written, and its reader makes sure these are still the bytes written
+    (streamer/weights.py).
     """
     head, start = header(path)
     for name, spec in head.items():
