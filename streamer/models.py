@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from streamer import demo
 from streamer.config import ModelSection
 
@@ -24,10 +26,19 @@ def load_tokenizer(cfg: ModelSection):
 
 
 def load_decoder(cfg: ModelSection):
-    """A tokenizer for token ids -> text only (``decode(ids, skip_special_tokens=...)``): the
-    demo's without transformers (:func:`streamer.demo.decoder`), else :func:`load_tokenizer`'s."""
-    if (cfg.tokenizer or cfg.name_or_path) == demo.DEMO:
+    """A tokenizer for token ids -> text only (``decode(ids, skip_special_tokens=...)``),
+    without transformers (which imports torch) where it can be: the demo's
+    (:func:`streamer.demo.decoder`), or a local directory's ``tokenizer.json`` through the
+    ``tokenizers`` library (what transformers' fast tokenizers decode with; a tokenizer that
+    asks for ``clean_up_tokenization_spaces`` would differ in spaces); else
+    :func:`load_tokenizer`'s."""
+    name = cfg.tokenizer or cfg.name_or_path
+    if name == demo.DEMO:
         return demo.decoder()
+    if (path := Path(name) / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path))
     return load_tokenizer(cfg)
 
 

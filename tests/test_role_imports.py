@@ -15,8 +15,9 @@ import pytest
 from trainer_data import make_group, publish
 
 from schemas import MetricsEvent, WeightSync
+from streamer import demo
 from streamer.bus import Publisher
-from streamer.config import RunConfig
+from streamer.config import RunConfig, write_toml
 from streamer.server import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -61,11 +62,26 @@ def _heavy(report: dict) -> dict[str, list[str]]:
     }
 
 
-def test_roles_that_run_no_model_import_neither_torch_nor_transformers(run, keys, redis_url, tmp_path):
+def test_roles_that_run_no_model_import_neither_torch_nor_transformers(
+    run, client, keys, redis_url, tmp_path
+):
     common = ("--run", keys.run, "--redis-url", redis_url, "--data-dir", str(run))
     archive = run / keys.run / "archive"
-    reports = {
-        "archive": _start(tmp_path, f"file:{archive}", "archive", *common),
+    tokenizer = tmp_path / "model"  # a local model's tokenizer.json: decoded without transformers
+    demo.tokenizer().save_pretrained(tokenizer)
+    config = write_toml(tmp_path / "run.toml", {"model": {"name_or_path": str(tokenizer)}})
+    reports = {"archive": _start(tmp_path, f"file:{archive}", "archive", *common)}
+    publish(client, keys.traj, [make_group(random.Random(1), rewards=(1.0, 0.0, 0.0, 1.0))])
+    reports |= {
+        "archive, a local model": _start(
+            tmp_path,
+            f"file:{tmp_path / 'data2' / keys.run / 'archive'}",
+            "archive",
+            *common[:-1],
+            str(tmp_path / "data2"),
+            "--config",
+            str(config),
+        ),
         "samples": _start(tmp_path, "exit", "samples", *common),
         "status": _start(tmp_path, "exit", "status", *common),
         "plot": _start(tmp_path, "exit", "plot", *common, "--out", str(tmp_path / "run.png")),
@@ -75,6 +91,7 @@ def test_roles_that_run_no_model_import_neither_torch_nor_transformers(run, keys
     reports["up"] = _start(tmp_path, "up", "up", *common, "--no-progress", "--producers", "1")
     assert {role: r["code"] for role, r in reports.items()} == {
         "archive": 0,
+        "archive, a local model": 0,
         "samples": 0,
         "status": 0,
         "plot": 0,
