@@ -49,6 +49,7 @@ import argparse
 import copy
 import functools
 import logging
+import math
 import os
 import random
 import signal
@@ -506,7 +507,7 @@ def report(all_results: dict[str, dict], args) -> None:
         "the end of the step to every producer on the new version"
     )
     for kind, res in all_results.items():
-        if res["faults"] == res["faults"]:
+        if not math.isnan(res["faults"]):
             print(
                 f"{kind}: the first forward pass after a load takes {res['faults'] * 1e3:.1f} ms more than "
                 "the next (page faults of the mapped file: the first sample pays them, not load above)"

@@ -60,7 +60,6 @@ return 1
 
 
 POLICY_KEEP = 1000  # WeightSync entries kept on the policy stream (at least keep_versions)
-LENT = "lent"  # a queued version's weights: the trainer's own, read in place
 
 
 def snapshot(model, spare: WeightsCopy | None = None) -> WeightsCopy:
@@ -159,7 +158,7 @@ class VersionPublisher:
         own = not isinstance(model, weights.WeightsCopy)  # a caller's copy is the caller's
         if own and _on_cpu(model):
             self._read.clear()
-            self._queue.put((model, version, step, LENT))
+            self._queue.put((model, version, step, False))  # lent: the trainer's own
         else:
             spare, self._spare = self._spare, None
             self._queue.put((snapshot(model, spare) if own else model, version, step, own))
@@ -203,7 +202,7 @@ class VersionPublisher:
                     self._read.set()  # not written: lent weights may change
                 else:
                     self._write_and_announce(copy, version, step)
-                    if own is True:
+                    if own:
                         self._spare = copy  # written and announced: the next snapshot's memory
             except BaseException as e:  # surfaced by the next submit/drain
                 if isinstance(e, StreamerError):  # a clear reason (disk full ...): one line

@@ -48,7 +48,7 @@ def write(
     *,
     finite_only: bool = False,
 ):
-    """Write ``tensors`` to ``path`` as safetensors; (the sha256 hex of each of its pieces
+    """Write ``tensors`` to ``path`` as safetensors; (the hash of each of its pieces
     (streamer/pieces.py), bytes written).
 
     ``finite_only``: every floating tensor is checked for inf and NaN in the same pass, a slice at

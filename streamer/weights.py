@@ -273,10 +273,19 @@ def check_manifest(path: Path, sha256: str) -> bool:
     """
     manifest = read_manifest(path, sha256)
     check_files(path, manifest, hashed=False)
+    return _as_left(path, manifest)
+
+
+def _as_left(path: Path, manifest: dict) -> bool:
+    """Whether this is the boot ``manifest`` was written in and every file of it is as the
+    writer left it."""
     by, boot = manifest["written_by"], this_boot()["boot_id"]
     if not boot or not isinstance(by, dict) or by.get("boot_id") != boot:
         return False
-    return all(_as_written(path / name) == written for name, (_, _, written) in manifest["files"].items())
+    try:
+        return all(_as_written(path / name) == written for name, (_, _, written) in manifest["files"].items())
+    except OSError:  # a file gone: check_files names it
+        return False
 
 
 def versions(root: Path) -> list[int]:
@@ -300,8 +309,8 @@ def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True, verify: str
 
     ``verify="manifest"``: the directory's manifest must hash to ``sync.sha256`` and list
     every file at its size, and every piece is re-hashed unless the files are as the writer
-    left them in this boot (:func:`check_manifest`); ``"full"``: every piece is re-hashed
-    (weights that crossed untrusted storage).
+    left them in this boot (as :func:`check_manifest` tells); ``"full"``: every piece is
+    re-hashed (weights that crossed untrusted storage).
     """
     parts = urllib.parse.urlsplit(sync.uri)
     if parts.scheme != "file":
@@ -317,9 +326,8 @@ def resolve(sync: WeightSync, root: Path, *, check_sha: bool = True, verify: str
     if verify not in VERIFY_MODES:
         raise WeightsError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
     try:
-        if verify == "manifest" and check_manifest(path, sync.sha256):
-            return path
-        check_files(path, read_manifest(path, sync.sha256), hashed=True)
+        manifest = read_manifest(path, sync.sha256)
+        check_files(path, manifest, hashed=verify == "full" or not _as_left(path, manifest))
     except WeightsError as e:
         raise WeightsError(f"version {sync.version}: {e}") from None
     return path
