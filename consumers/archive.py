@@ -45,6 +45,7 @@ from streamer.bus import Consumer, Delivery
 from streamer.config import RunConfig, TrainerSection
 from streamer.connection import connect, retrying
 from streamer.keys import ARCHIVE_GROUP, Keys
+from streamer.rundir import ARCHIVE
 from streamer.values import DataError, parse_int
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ STOP_SERVER_WAIT = 10.0  # seconds a stopping archiver waits for an unreachable 
 
 
 def archive_dir(cfg: RunConfig) -> Path:
-    return cfg.run_dir / "archive"
+    return cfg.run_dir / ARCHIVE
 
 
 Advantage = Callable[[np.ndarray], np.ndarray]  # (G,) float64 rewards -> (G,) float32 advantages

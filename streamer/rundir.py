@@ -30,10 +30,12 @@ TRAINER_ID = ".trainer-id"  # the owner token of the run's trainer lease (stream
 # what Streamer writes inside a run directory (anything else is the user's and is kept)
 ENGINE_MODEL = "engine-model"  # `up --engine`: the demo model the engine serves
 ENGINE_CONFIG = "engine.toml"  # `up --engine`: the run config with the engine's settings
+ARCHIVE = "archive"  # `streamer archive`: the run's rollout groups as text
 RUN_ENTRIES = (
     "weights",
     "checkpoints",
     "logs",
+    ARCHIVE,
     "curve.json",
     ENGINE_MODEL,
     ENGINE_CONFIG,

@@ -54,9 +54,10 @@ def test_fresh_refuses_a_directory_streamer_did_not_mark(tmp_path):
 
 def test_fresh_deletes_only_what_streamer_wrote_in_a_marked_run_dir(tmp_path):
     run = mark_run(tmp_path / "demo")
-    for sub in ("weights/v00000001", "checkpoints/step-1", "logs"):
+    for sub in ("weights/v00000001", "checkpoints/step-1", "logs", "archive"):
         (run / sub).mkdir(parents=True)
     (run / "curve.json").write_text("{}")
+    (run / "archive" / "rollouts-000001.jsonl.gz").write_bytes(b"")
     (run / "notes.md").write_text("mine")
     from streamer.rundir import RUN_ENTRIES
 
