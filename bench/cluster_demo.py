@@ -60,7 +60,7 @@ def run(args, d: Path, cluster: LocalCluster, keys: Keys) -> tuple[dict, dict]:
         failover["old_master_back_after_s"] = round(time.monotonic() - killed, 2)
         failover["at_version"] = args.failover
 
-    extra = ["--redis-url", cluster.url, "--steps", str(args.steps)]
+    extra = ["--redis-url", cluster.url, "--steps", str(args.steps), "--producers", "2"]
     curve = C.run_up(cfg, d, *extra, timeout=3600, during=fail_over if args.failover else None)
     return curve, failover
 

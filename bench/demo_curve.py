@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C
 
 from streamer import demo
+from streamer.cli.up import cores, default_producers
 from streamer.config import replace
 
 GOAL_SECONDS = 300.0
@@ -35,10 +36,10 @@ GOAL_REJECTED = 3.0
 LAST = 100  # steps at the end of a run the rejected figure covers
 
 
-def run_once(seed: int, steps: int, producers: int) -> dict:
+def run_once(seed: int, steps: int, producers: int | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="streamer-demo-curve-") as d:
         cfg = replace(demo.config(), run={"seed": seed}, trainer={"steps": steps})
-        curve = C.run_up(cfg, Path(d), "--producers", str(producers), timeout=3600)
+        curve = C.run_up(cfg, Path(d), *(["--producers", str(producers)] if producers else []), timeout=3600)
         said = (Path(d) / "up.log").read_text()
         curve["ended"] = "nothing left to teach" if "nothing left to teach" in said else "steps done"
         return curve
@@ -65,12 +66,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=600, help="trainer steps asked for per run")
-    p.add_argument("--producers", type=int, default=2)
+    p.add_argument("--producers", type=int, help="producer processes (default: up's, 1 on 2 cores)")
     p.add_argument("--quick", action="store_true", help="one seed, 20 steps")
     args = p.parse_args()
     if args.quick:
         args.seeds, args.steps = args.seeds[:1], 20
-    print(f"demo, {args.producers} producers, {args.steps} steps asked for per seed")
+    producers = args.producers or default_producers(cores())  # what `up` starts unless told
+    print(f"demo, {producers} producer(s), {args.steps} steps asked for per seed")
     print(
         "\n| seed | wall time | steps | ended | held-out >= 0.8 after | reward >= 0.8 after "
         f"| final held-out | held-out at v100, v200, ... | rejected / accepted, last {LAST} steps |"

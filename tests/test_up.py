@@ -11,6 +11,8 @@ import pytest
 from bounds import RUN, START
 from runs import Up
 
+from streamer.cli.up import cores, default_producers
+
 pytestmark = pytest.mark.slow
 
 STEPS = 80
@@ -36,6 +38,16 @@ def test_up_runs_the_demo_learns_and_exits_0(tmp_path):
     assert "streamer_train_loss" in up.series and "streamer_eval_accuracy" in up.series
     weights = sorted((tmp_path / "demo" / "weights").iterdir())
     assert weights and weights[-1].name == f"v{STEPS:08d}"
+    # as many producers as the machine has cores beside the trainer's (1 to 4), no more
+    n = default_producers(cores())
+    assert f"; {n} producer{'s' if n > 1 else ''};" in out, out
+    logs = sorted(p.name for p in (tmp_path / "demo" / "logs").glob("produce-*.log"))
+    assert logs == [f"produce-{i}.log" for i in range(n)], logs
+
+
+@pytest.mark.parametrize(("n_cores", "producers"), [(1, 1), (2, 1), (3, 2), (5, 4), (64, 4)])
+def test_up_starts_one_producer_per_core_beside_the_trainers(n_cores, producers):
+    assert default_producers(n_cores) == producers
 
 
 def test_up_stops_in_order_on_sigterm_and_resumes(tmp_path):

@@ -53,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = role("up", "run everything on one machine (embedded server unless --redis-url)")
     up.add_argument("--steps", type=int, help="trainer steps to run (default: the demo's)")
-    up.add_argument("--producers", type=_positive, default=2, help="producer processes (at least 1)")
+    up.add_argument(
+        "--producers",
+        type=_positive,
+        help="producer processes (default: one per core beside the trainer's, 1 to 4)",
+    )
     up.add_argument("--fresh", action="store_true", help="discard the previous run's state")
     up.add_argument("--no-progress", action="store_true", help="no live progress view")
     up.add_argument(

@@ -220,13 +220,31 @@ def _run(cfg: RunConfig, args, started: float, embedded: bool, engine: Child | N
         sys.stdout, sys.stderr = streams
 
 
+def cores() -> int:
+    """The cores this process may run on (a container's or a taskset's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_producers(n_cores: int) -> int:
+    """Producers `up` starts unless told: one per core beside the trainer's, 1 to 4. More
+    busy processes than cores only take turns on them: a model's sampling and training each
+    cost more CPU (every switch evicts the other's weights from the core's caches) and finish
+    no sooner."""
+    return max(1, min(4, n_cores - 1))
+
+
 def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, stop_requested) -> int:
     port = _metrics_port(cfg)
     steps = cfg.trainer.steps
     env = {**os.environ, "PYTHONUNBUFFERED": "1", URL_ENV: cfg.run.redis_url}
+    n_cores = cores()
+    args.producers = args.producers or default_producers(n_cores)
     # N busy processes share this machine's cores: oversubscribed torch threads slow all.
     compute = args.producers + 2  # producers, trainer, evaluator
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // compute)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, n_cores // compute)))
     logs = cfg.log_dir
     specs = [("metrics", _role_argv("metrics", cfg, args, "--port", str(port)))]
     specs.append(
@@ -248,7 +266,7 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
             stack.children[name].start(env)
         print(
             f"streamer up: run {cfg.run.name!r} on {redact(cfg.run.redis_url)}; "
-            f"{args.producers} producers; /metrics on http://{cfg.metrics.host}:{port}/metrics; "
+            f"{args.producers} producer{'s' if args.producers > 1 else ''}; /metrics on http://{cfg.metrics.host}:{port}/metrics; "
             f"logs in {logs}",
             flush=True,
         )
