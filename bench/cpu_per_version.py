@@ -5,7 +5,8 @@ every descendant included: ``getrusage(RUSAGE_CHILDREN)`` once it is waited for)
 counted the same way:
 
     system  ``streamer up --steps N`` with the demo's defaults: the embedded Valkey
-            server, trainer, evaluator, exporter, archiver and 2 producers, each its own
+            server, trainer, evaluator, exporter, archiver and the producers `up` starts on
+            this machine (one per core beside the trainer's: 1 on 2 cores), each its own
             process (one torch thread each, as `up` sets on a 2-core machine)
     bare    one process, one torch thread: the same demo model, LocalSampler, task,
             reward, group filter, collate and Learner, sampling its groups with the very
@@ -18,6 +19,9 @@ and a last look taught nothing, the producers stop and `up` ends the run. The ba
 runs as many versions as the system made; it sets no row aside, so late in a run its steps
 draw ever more zero-variance groups: past ``--bare-seconds`` it is stopped and counted up to
 the version it reached (its later versions would cost more: the ratio is then an upper bound).
+With ``--rounds N`` both sides run N times, alternating which goes first, and the ratio is
+of the rounds pooled (each round's is printed too): this VM's speed drifts by 10 % and more
+over minutes, which a single system-then-bare run charges to one side.
 While the system runs, each process's CPU is read from ``/proc/PID/stat`` every 0.25 s;
 the last reading before it exits gives the breakdown by role (the total is exact, the
 parts miss at most the last 0.25 s of each process).
@@ -26,6 +30,7 @@ parts miss at most the last 0.25 s of each process).
     python bench/cpu_per_version.py --steps 500   # the demo's length (~5 min)
     python bench/cpu_per_version.py --quick       # smoke run (10 steps)
     python bench/cpu_per_version.py --model-size 2.4M --steps 500   # where sampling is the work
+    python bench/cpu_per_version.py --model-size 2.4M --steps 500 --rounds 2   # system, bare, bare, system
     python bench/cpu_per_version.py --hidden 256 --layers 4   # any wider, deeper demo model
 
 With ``--model-size`` (2.4M = 256 x 4, 298k = 128 x 2) or ``--hidden``/``--layers``
@@ -114,10 +119,11 @@ def model_config_file(hidden: int, layers: int, workdir: Path, lr: float | None 
     return path
 
 
-def system_side(steps: int, producers: int, workdir: Path, config: Path | None) -> dict:
+def system_side(steps: int, producers: int | None, workdir: Path, config: Path | None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(C.ROOT), "PYTHONUNBUFFERED": "1"}
     env.pop("OMP_NUM_THREADS", None)  # `up` sets it as it would for a user
-    argv = [sys.executable, "-m", "streamer", "up", "--steps", str(steps), "--producers", str(producers)]
+    argv = [sys.executable, "-m", "streamer", "up", "--steps", str(steps)]
+    argv += ["--producers", str(producers)] if producers else []
     argv += ["--data-dir", str(workdir), "--fresh", "--no-progress"]
     argv += ["--config", str(config)] if config else []
     before, start = _children_cpu(), time.monotonic()
@@ -142,7 +148,15 @@ def system_side(steps: int, producers: int, workdir: Path, config: Path | None) 
     groups = _count(r"groups published +(\d+)", text)
     # fewer than asked when the producers found nothing left to teach and `up` ended the run
     versions = _count(r"steps trained +(\d+)", text)
-    return {"cpu": cpu, "wall": wall, "versions": versions, "roles": roles, "groups": groups}
+    producers = _count(r"; (\d+) producers?;", text)
+    return {
+        "cpu": cpu,
+        "wall": wall,
+        "versions": versions,
+        "roles": roles,
+        "groups": groups,
+        "producers": producers,
+    }
 
 
 def _count(pattern: str, text: str) -> int:
@@ -268,10 +282,24 @@ def bare_child(steps: int, config: str | None) -> int:
     return 0
 
 
+def _ratio(system: dict, bare: dict) -> float:
+    return (system["cpu"] / system["versions"]) / (bare["cpu"] / bare["versions"])
+
+
+def _pooled(sides: list[dict]) -> dict:
+    """Rounds of one side added up (CPU, versions, groups, wall and each role's CPU)."""
+    out: dict = {k: sum(s[k] for s in sides) for k in ("cpu", "versions", "groups", "wall")}
+    roles: dict[str, float] = {}
+    for s in sides:
+        for role, seconds in s.get("roles", {}).items():
+            roles[role] = roles.get(role, 0.0) + seconds
+    return {**out, "roles": roles}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100, help="policy versions (train steps) per side")
-    ap.add_argument("--producers", type=int, default=2, help="producers of the system side (up's default)")
+    ap.add_argument("--producers", type=int, help="producers of the system side (default: up's)")
     ap.add_argument("--quick", action="store_true", help="10 steps")
     ap.add_argument("--hidden", type=int, help="hidden size of the demo model (default: the demo's)")
     ap.add_argument("--layers", type=int, default=2, help="layers of the demo model, with --hidden")
@@ -286,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--bare-seconds", type=float, default=1800, help="stop the bare loop after this long (default 1800)"
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of both sides, alternating which runs first; pooled (default 1; 2 = system, bare, bare, system)",
+    )
     ap.add_argument("--bare-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -298,11 +332,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_size:
         args.hidden, args.layers, size_lr = SIZES[args.model_size]
         args.lr = args.lr if args.lr is not None else size_lr
+    systems: list[dict] = []
+    bares: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="streamer-cpu-") as tmp:
         config = model_config_file(args.hidden, args.layers, Path(tmp), args.lr) if args.hidden else None
-        # the system first: the bare loop runs as many versions as it made
-        system = system_side(args.steps, args.producers, Path(tmp) / "system", config)
-        bare = bare_side(system["versions"], config, args.bare_seconds)
+        for r in range(args.rounds):
+            # odd rounds run the bare loop first: a machine whose speed drifts over minutes
+            # then favours neither side. The bare loop runs as many versions as the system
+            # last made (the system may end early: nothing left to teach)
+            order = ("system", "bare") if r % 2 == 0 else ("bare", "system")
+            for side in order:
+                if side == "system":
+                    systems.append(system_side(args.steps, args.producers, Path(tmp) / f"system-{r}", config))
+                else:
+                    versions = systems[-1]["versions"] if systems else args.steps
+                    bares.append(bare_side(versions, config, args.bare_seconds))
+            print(f"round {r + 1} of {args.rounds}: {_ratio(systems[-1], bares[-1]):.2f}x", flush=True)
+    system, bare = _pooled(systems), _pooled(bares)
     rows = []
     for name, side in (("system (streamer up)", system), ("bare in-process loop", bare)):
         per, groups = side["cpu"] / side["versions"], side["groups"] / side["versions"]
@@ -310,7 +356,13 @@ def main(argv: list[str] | None = None) -> int:
             [name, side["versions"], side["cpu"], per, groups, side["cpu"] / side["groups"], side["wall"]]
         )
     heads = ["side", "versions", "CPU s", "CPU s / version", "groups / version", "CPU s / group", "wall s"]
+    if args.rounds > 1:
+        print(
+            f"{args.rounds} rounds pooled; per round: "
+            + ", ".join(f"{_ratio(a, b):.2f}x" for a, b in zip(systems, bares))
+        )
     C.print_table(heads, rows)
+    print(f"the system ran {systems[-1]['producers']} producer(s) on {os.cpu_count()} cores")
     total = sum(system["roles"].values()) or 1.0
     parts = sorted(system["roles"].items(), key=lambda kv: -kv[1])
     print("system CPU by process role (from /proc, every 0.25 s):")
@@ -318,13 +370,14 @@ def main(argv: list[str] | None = None) -> int:
         ["role", "CPU s", "share", "CPU s / version"],
         [[r, s, f"{s / total:.0%}", s / system["versions"]] for r, s in parts],
     )
-    ratio = (system["cpu"] / system["versions"]) / (bare["cpu"] / bare["versions"])
+    ratio = _ratio(system, bare)
     name = "cpu_per_version_system_vs_bare"
     # per group drawn: the same ratio without how many groups each side's trajectory drew
     # per version (zero-variance groups, rejected, grow as a run learns)
     per_group = (system["cpu"] / system["groups"]) / (bare["cpu"] / bare["groups"])
-    if bare["stopped"]:  # its later steps would only cost more: the ratio is an upper bound
-        print(f"the bare loop was stopped at version {bare['versions']} of {system['versions']}")
+    for b in bares:
+        if b["stopped"]:  # its later steps would only cost more: the ratio is an upper bound
+            print(f"a bare loop was stopped at version {b['versions']} of {args.steps}")
     C.print_ratios(
         {name: ratio, "cpu_per_group_system_vs_bare": per_group},
         goals={name: f"goal <= {GOAL:g}: {'met' if ratio <= GOAL else 'NOT met'}"},
