@@ -241,9 +241,9 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
     steps = cfg.trainer.steps
     env = {**os.environ, "PYTHONUNBUFFERED": "1", URL_ENV: cfg.run.redis_url}
     n_cores = cores()
-    args.producers = args.producers or default_producers(n_cores)
+    producers = args.producers or default_producers(n_cores)
     # N busy processes share this machine's cores: oversubscribed torch threads slow all.
-    compute = args.producers + 2  # producers, trainer, evaluator
+    compute = producers + 2  # producers, trainer, evaluator
     env.setdefault("OMP_NUM_THREADS", str(max(1, n_cores // compute)))
     logs = cfg.log_dir
     specs = [("metrics", _role_argv("metrics", cfg, args, "--port", str(port)))]
@@ -253,9 +253,7 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
     specs.append(("eval", _role_argv("eval", cfg, args)))
     if cfg.archive.enabled:
         specs.append(("archive", _role_argv("archive", cfg, args)))
-    specs += [
-        (f"produce-{i}", _role_argv("produce", cfg, args, "--id", f"p{i}")) for i in range(args.producers)
-    ]
+    specs += [(f"produce-{i}", _role_argv("produce", cfg, args, "--id", f"p{i}")) for i in range(producers)]
     progress = Progress(cfg, target_steps=args.steps or steps, live=not args.no_progress, started=started)
     code, summary = 0, ""
     try:
@@ -266,7 +264,7 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
             stack.children[name].start(env)
         print(
             f"streamer up: run {cfg.run.name!r} on {redact(cfg.run.redis_url)}; "
-            f"{args.producers} producer{'s' if args.producers > 1 else ''}; /metrics on http://{cfg.metrics.host}:{port}/metrics; "
+            f"{producers} producer{'s' if producers > 1 else ''}; /metrics on http://{cfg.metrics.host}:{port}/metrics; "
             f"logs in {logs}",
             flush=True,
         )
