@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from streamer.errors import WeightsError
 from streamer.rollout.contract import Completion, FinishReason, Sampler, SamplerError
 
 __all__ = ["Completion", "FinishReason", "LocalSampler", "Sampler", "SamplerError", "cut_at_stop"]
@@ -125,7 +126,8 @@ class LocalSampler:
         return ids.to(self.device), mask.to(self.device)
 
     def load_weights(self, directory: Path) -> None:
-        """Load a version in place; checked to fit first, so a bad version changes nothing.
+        """Load a version in place; a version that does not fit the model (names, shapes,
+        dtypes) raises WeightsError before anything changes (streamer/weights.py).
 
         A LoRA adapter version is applied on top of the base (the model is wrapped once).
         """
@@ -135,38 +137,10 @@ class LocalSampler:
             try:
                 self.model = lora.load_adapter(self.model, directory).eval()
             except (lora.AdapterError, ValueError, KeyError, OSError) as e:
-                raise SamplerError(f"cannot apply the LoRA adapter in {directory}: {e}") from e
+                raise WeightsError(f"cannot apply the LoRA adapter in {directory}: {e}") from e
             return
 
-        check_fits(self.model, directory)
         weights.load_into(self.model, directory, mapped=True)
 
     def close(self) -> None:
         pass
-
-
-def check_fits(model, directory: Path) -> None:
-    """Raise SamplerError unless the safetensors in ``directory`` hold every parameter of
-    ``model`` (tied ones may be absent) with the right shape, and nothing else."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})  # noqa: SIM118 (safe_open has no __iter__)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    unexpected = sorted(set(shapes) - set(expected))
-    missing = [k for k in expected if k not in shapes and not _tied(model, k)]
-    wrong = [k for k in shapes.keys() & expected.keys() if shapes[k] != expected[k]]
-    if unexpected or missing or wrong:
-        raise SamplerError(
-            f"weights in {directory} do not fit the model: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
-        )
-
-
-def _tied(model, key: str) -> bool:
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return False
-    tied = getattr(model, "_tied_weights_keys", None) or ()
-    return key in (tied.keys() if isinstance(tied, dict) else tied)

@@ -15,6 +15,7 @@ from producers.remote_sampler import RemoteSampler, parse_completions
 from producers.render import Renderer
 from producers.samplers import Completion, LocalSampler, SamplerError
 from streamer import demo, weights
+from streamer.errors import WeightsError
 
 EOS = 5
 
@@ -182,6 +183,6 @@ def test_weights_that_do_not_fit_change_nothing(tmp_path, local, prompt):
     config.hidden_size, config.intermediate_size = 32, 64
     weights.write_version(AutoModelForCausalLM.from_config(config), tmp_path, 2)
     before = local.sample(prompt, n=1, temperature=0, top_p=1.0, max_new_tokens=4)
-    with pytest.raises(SamplerError, match="do not fit the model"):
+    with pytest.raises(WeightsError, match=r"is F32\[18, 32\], the model's torch.float32\[18, 64\]"):
         local.load_weights(weights.version_dir(tmp_path, 2))
     assert local.sample(prompt, n=1, temperature=0, top_p=1.0, max_new_tokens=4) == before
