@@ -181,6 +181,7 @@ def write_config(
         "shutdown_grace": 5.0,
         "defer_after": 0,  # paced groups teach nothing: rows never step aside, the run never ends
         "defer_failed_after": 0,
+        "defer_pass_rate": 0,
     }
     return C.write_run_config(
         workdir,

@@ -85,7 +85,7 @@ class Trips:
             lease_seconds=p.lease_seconds,
             total_tickets=order.total_tickets(p.epochs),
             max_attempts=p.max_row_attempts,
-            rule=rows.Rule(p.defer_after, p.defer_failed_after, p.revisit_share),
+            rule=rows.Rule(p.defer_after, p.defer_failed_after, p.revisit_share, p.defer_pass_rate),
             n_rows=order.n_rows,
         )
         self.admission = Admission(

@@ -311,7 +311,7 @@ class Leases:
                     *(k.rows, k.rows_solved, k.rows_unsolvable),
                 ],
                 args=[ticket, self.owner, FIELD, payload, max_unacked, TRAINER_GROUP, *event, group_version]
-                + [*row_args, self.rule.solved_after, self.rule.failed_after],
+                + [*row_args, self.rule.solved_after, self.rule.failed_after, self.rule.pass_rate],
             )
         except TRANSIENT:
             raise

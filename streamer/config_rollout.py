@@ -53,6 +53,9 @@ class ProducerSection(Section):
     defer_failed_after: NonNegInt = (
         10  # set a row aside once this many groups in a row taught nothing (some failed); 0 = never
     )
+    defer_pass_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = (
+        0.95  # also set a row aside as solved when its last group was solved and its recent pass rate is at least this; 0 = never
+    )
     revisit_share: Annotated[float, msgspec.Meta(ge=0, lt=1)] = (
         0.1  # at most this share of the rows handed out are revisits of rows set aside
     )

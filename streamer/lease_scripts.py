@@ -144,7 +144,8 @@ return granted
 # KEYS: admitted cursor leases owner requeue slots attempts errors skipped limits policy
 #       rows rows_solved rows_unsolvable last_look row_credit
 # ARGV: owner lease_seconds limit sweep_batch max_attempts staleness per_step known_policy_id
-#       window_base window defer_after defer_failed_after (both 0 = off) revisit_share n_rows
+#       window_base window defer_after defer_failed_after (0 = off) revisit_share
+#       defer_pass_rate (0 = off) n_rows
 # Returns {ticket (or -1 exhausted, -2 wait, -3 nothing left to teach, -4 claim again),
 #   granted (as ADMIT, or a reason), cursor, passed over, solved, unsolvable,
 #   newest policy id or false, its fields or false (the known one), corrupt rows...}
@@ -159,7 +160,7 @@ local k = {admitted = KEYS[1], cursor = KEYS[2], leases = KEYS[3], owner = KEYS[
   slots = KEYS[6], attempts = KEYS[7], errors = KEYS[8], skipped = KEYS[9], limits = KEYS[10],
   policy = KEYS[11], rows = KEYS[12], solved = KEYS[13], unsolvable = KEYS[14], look = KEYS[15],
   credit = KEYS[16]}
-local rows_rule, n_rows = rule(ARGV[11], ARGV[12]), tonumber(ARGV[14])
+local rows_rule, n_rows = rule(ARGV[11], ARGV[12], ARGV[14]), tonumber(ARGV[15])
 sweep(k, now, ARGV[4])
 local corrupt, solved, unsolvable = {}, 0, 0
 if rows_rule.on then
@@ -169,7 +170,7 @@ local ticket, passed, granted = requeued(k, tonumber(ARGV[5])), 0, 0
 local check = rows_rule
 if not ticket and rows_rule.on then
   local look = last_look(k, solved + unsolvable >= n_rows, n_rows)
-  if look == 'look' then check = rule(0, 0) elseif look then ticket = look end
+  if look == 'look' then check = rule(0, 0, 0) elseif look then ticket = look end
 end
 if not ticket then
   local got = next_row(k, tonumber(ARGV[3]), tonumber(ARGV[9]), ARGV[10], check, tonumber(ARGV[13]), corrupt)
@@ -235,7 +236,7 @@ end
 #       rows rows_solved rows_unsolvable
 # ARGV: ticket owner field payload max_unacked(-1 = no check) group
 #       metrics_payload('' = none) step_at offset_at group_version row('' = none) outcome pass_rate
-#       defer_after defer_failed_after
+#       defer_after defer_failed_after defer_pass_rate
 # Nothing is written when the lease is not ours ({0}), the trajectory stream has no room
 # ({2}), or the rollout step or version is not a number (an error). Otherwise the group is
 # XADDed and the lease ends; the ticket's admission slot moves to the entry, which the
@@ -270,7 +271,7 @@ if redis.call('SREM', k.slots, ARGV[1]) == 1 then redis.call('SADD', k.held, id)
 step = redis.call('INCR', k.step)
 local corrupt = false
 if ARGV[11] ~= '' then
-  corrupt = record_group(k, ARGV[11], ARGV[12], tonumber(ARGV[13]), rule(ARGV[14], ARGV[15]))
+  corrupt = record_group(k, ARGV[11], ARGV[12], tonumber(ARGV[13]), rule(ARGV[14], ARGV[15], ARGV[16]))
 end
 if ARGV[7] ~= '' then
   local offset = math.max(0, tonumber(version or '0') - tonumber(ARGV[10]))

@@ -13,7 +13,10 @@ rewards when it publishes, so the publish script updates the row's record
 A group is *solved* when every sample got the same reward and it is above 0, *failed*
 when every sample got the same reward of 0 or less, *useful* otherwise. A row is set aside
 
-- as *solved* once its last ``producer.defer_after`` groups were all solved;
+- as *solved* once its last ``producer.defer_after`` groups were all solved, or once a
+  group was solved while its recent pass rate ``p`` (that group's included) is at least
+  ``producer.defer_pass_rate``: a row nearly always right mostly draws solved groups, and
+  the rare useful one between them would keep it active under the first rule alone;
 - once ``producer.defer_failed_after`` groups in a row taught nothing (some failed): as
   *unsolvable*, or as *solved* when most of them were solved (a solved row that slips now
   and then teaches as little as one that never does).
@@ -50,10 +53,11 @@ from streamer.keys import Keys
 # Lua functions of the claim and publish scripts (streamer/lease_scripts.py); ``k`` names the
 # keys rows, solved, unsolvable, credit and cursor; ``rule`` is :func:`rule`'s table.
 LUA = """
--- the rule of setting rows aside from two arguments: defer_after, defer_failed_after (0 = never)
-local function rule(solved, failed)
-  solved, failed = tonumber(solved), tonumber(failed)
-  return {solved = solved, failed = failed, on = solved > 0 or failed > 0}
+-- the rule of setting rows aside from three arguments: defer_after, defer_failed_after,
+-- defer_pass_rate (each 0 = never)
+local function rule(solved, failed, rate)
+  solved, failed, rate = tonumber(solved), tonumber(failed), tonumber(rate)
+  return {solved = solved, failed = failed, rate = rate, on = solved > 0 or failed > 0 or rate > 0}
 end
 
 local function parse_record(raw)  -- {g, s, p}; nil: no record; false: not a record
@@ -64,11 +68,12 @@ local function parse_record(raw)  -- {g, s, p}; nil: no record; false: not a rec
   return {g, s, p}
 end
 
--- rule: {solved = defer_after, failed = defer_failed_after} (0: never)
+-- rule: {solved = defer_after, failed = defer_failed_after, rate = defer_pass_rate} (0: never)
 local function state_of(rec, rule)  -- 'solved', 'unsolvable' or nil (active)
   if not rec then return nil end
   local g, s = rec[1], rec[2]
   if rule.solved > 0 and g >= rule.solved and s == g then return 'solved' end
+  if rule.rate > 0 and g >= 1 and s == g and rec[3] >= rule.rate then return 'solved' end
   if rule.failed > 0 and g >= rule.failed and s < g then
     if 2 * s > g then return 'solved' end
     return 'unsolvable'
@@ -134,7 +139,8 @@ local function next_row(k, limit, base, window, rule, share, corrupt)
     local i = cursor - base
     if i < 0 or 4 * i + 4 > #window then return {-4, passed} end
     local b1, b2, b3, b4 = string.byte(window, 4 * i + 1, 4 * i + 4)
-    local state = row_state(k, b1 + 256 * b2 + 65536 * b3 + 16777216 * b4, rule, corrupt)
+    local row = b1 + 256 * b2 + 65536 * b3 + 16777216 * b4
+    local state = row_state(k, row, rule, corrupt)
     redis.call('INCR', k.cursor)
     if state == nil then
       if share > 0 then
@@ -148,6 +154,9 @@ local function next_row(k, limit, base, window, rule, share, corrupt)
       redis.call('SET', k.credit, string.format('%.17g', banked - 1))
       return {cursor, passed}
     end
+    -- in its set, whatever put it there: the sets' sizes decide when every row is set
+    -- aside, and a row passed over but not counted would have claims walk on for ever
+    place(k, row, state)
     passed = passed + 1
   end
 end
@@ -185,8 +194,10 @@ local function record_group(k, row, outcome, pass_rate, rule)
     rec[1] = rec[1] + 1
     if outcome == 'solved' then rec[2] = rec[2] + 1 end
   end
-  redis.call('HSET', k.rows, row, string.format('%d,%d,%.3f', rec[1], rec[2], rec[3]))
-  if rule.on then place(k, row, state_of(rec, rule)) end
+  local raw = string.format('%d,%d,%.3f', rec[1], rec[2], rec[3])
+  redis.call('HSET', k.rows, row, raw)
+  -- judged as stored (the pass rate rounded), as every claim will judge it
+  if rule.on then place(k, row, state_of(parse_record(raw), rule)) end
   return corrupt
 end
 """
@@ -205,16 +216,17 @@ def outcome(rewards: list[float]) -> tuple[str, float]:
 
 
 class Rule(NamedTuple):
-    """When rows step aside: ``producer.defer_after``, ``defer_failed_after`` (0 = never)
-    and ``revisit_share``. The default never sets a row aside."""
+    """When rows step aside: ``producer.defer_after``, ``defer_failed_after``,
+    ``defer_pass_rate`` (0 = never) and ``revisit_share``. The default never sets a row aside."""
 
     solved_after: int = 0
     failed_after: int = 0
     revisit_share: float = 0.0
+    pass_rate: float = 0.0
 
     @property
     def on(self) -> bool:
-        return self.solved_after > 0 or self.failed_after > 0
+        return self.solved_after > 0 or self.failed_after > 0 or self.pass_rate > 0
 
 
 NEVER = Rule()  # rows never step aside

@@ -15,7 +15,7 @@ from producers.components import Task, build
 from producers.dataset import Order
 from producers.producer import Producer
 from schemas import MetricsEvent, TrajectoryGroup, decode
-from streamer.admission import NOTHING_TO_TEACH, Admission, Leases
+from streamer.admission import AGAIN, NOTHING_TO_TEACH, Admission, Leases
 from streamer.cli import up
 from streamer.cli.progress import Progress
 from streamer.cli.status import render
@@ -28,25 +28,28 @@ ROWS = 4
 ORDER = Order(ROWS, seed=0, shuffle=False)  # ticket t is row t % 4
 
 
-def _leases(client, keys, *, defer_after=2, failed_after=0, share=0.0) -> tuple[Leases, Admission]:
+def _leases(
+    client, keys, *, defer_after=2, failed_after=0, share=0.0, pass_rate=0.0
+) -> tuple[Leases, Admission]:
     leases = Leases(
         client,
         keys,
         owner="p",
         lease_seconds=60,
-        rule=Rule(defer_after, failed_after, share),
+        rule=Rule(defer_after, failed_after, share, pass_rate),
         n_rows=ROWS,
     )
     return leases, Admission(client, keys, max_staleness=1000, groups_per_step=1000)
 
 
-def _group(leases, admission, outcome_of, order=ORDER) -> tuple[int, int]:
-    """Claim a row and publish a group with ``outcome_of(row)``; (row, tickets passed over)."""
+def _group(leases, admission, outcome_of, order=ORDER, rate_of=lambda row: 1.0) -> tuple[int, int]:
+    """Claim a row and publish a group with ``outcome_of(row)`` and pass rate ``rate_of(row)``;
+    (row, tickets passed over)."""
     cursor = int(leases.client.get(leases.keys.cursor) or 0)
     claim = leases.claim_admit(admission, window=(cursor, order.window(cursor, 64)))
     assert claim.ticket >= 0 and claim.granted, claim
     row = order.position(claim.ticket).row
-    assert leases.publish(claim.ticket, b"g", row=(row, outcome_of(row), 1.0)) is not None
+    assert leases.publish(claim.ticket, b"g", row=(row, outcome_of(row), rate_of(row))) is not None
     return row, claim.passed_over
 
 
@@ -80,6 +83,58 @@ def test_a_row_that_teaches_nothing_steps_aside_after_more_groups_as_what_it_mos
     assert _group(leases, admission, outcome) == (3, 3)
     assert client.smembers(keys.rows_solved) == {b"1", b"3"}
     assert _group(leases, admission, outcome) == (0, 0), "every row set aside: the last look starts"
+
+
+@pytest.mark.parametrize("pass_rate", [0.9, 0.0])
+def test_a_row_nearly_always_right_steps_aside_at_its_next_solved_group(client, keys, pass_rate):
+    visits = dict.fromkeys(range(ROWS), 0)
+    rates = {1: (0.9375, 1.0), 2: (0.5, 1.0)}  # row 1: 15 of 16 right, then 16; row 2: 8, then 16
+
+    def outcome(row: int) -> str:
+        visits[row] += 1
+        return "solved" if row in rates and visits[row] == 2 else "useful"
+
+    rate = lambda row: rates[row][visits[row] - 1] if row in rates else 0.5  # noqa: E731
+    leases, admission = _leases(client, keys, defer_after=3, pass_rate=pass_rate)
+    assert [_group(leases, admission, outcome, rate_of=rate)[0] for _ in range(2 * ROWS)] == [0, 1, 2, 3] * 2
+    assert client.hget(keys.rows, 1) == b"1,1,0.969" and client.hget(keys.rows, 2) == b"1,1,0.750"
+    visits.update({1: 0, 2: 0})  # a third round: row 1 useful again, were it handed out
+    third = [_group(leases, admission, outcome, rate_of=rate) for _ in range(ROWS - 1)]
+    if pass_rate:  # one solved group at a recent pass rate of 0.97: set aside; row 2 (0.75) is not
+        assert third == [(0, 0), (2, 1), (3, 0)] and client.smembers(keys.rows_solved) == {b"1"}
+    else:  # by the last groups alone, one solved group of three is not enough
+        assert third == [(0, 0), (1, 0), (2, 0)] and not client.exists(keys.rows_solved)
+
+
+def test_a_row_is_judged_by_its_record_as_stored(client, keys):
+    leases, admission = _leases(client, keys, defer_after=3, pass_rate=0.95)
+    rates = iter([0.9, 0.5, 0.5, 0.5, 0.9998])  # row 0: (0.9 + 0.9998) / 2 = 0.9499, stored 0.950
+    for _ in range(ROWS + 1):
+        _group(
+            leases,
+            admission,
+            lambda r: "solved" if r == 0 and client.hexists(keys.rows, 3) else "useful",
+            rate_of=lambda r: next(rates),
+        )
+    assert client.hget(keys.rows, 0) == b"1,1,0.950"
+    assert client.smembers(keys.rows_solved) == {b"0"}, "set aside as every claim will judge it"
+
+
+def test_a_row_passed_over_but_missing_from_its_set_is_counted_and_the_run_ends(client, keys):
+    leases, admission = _leases(client, keys, defer_after=1)
+    for _ in range(ROWS):
+        _group(leases, admission, lambda r: "solved")
+    client.srem(keys.rows_solved, 3)  # its record says solved: claims pass it over
+
+    def claim():
+        cursor = int(client.get(keys.cursor))
+        return leases.claim_admit(admission, window=(cursor, ORDER.window(cursor, 16)))
+
+    first = claim()
+    assert (first.ticket, first.passed_over) == (AGAIN, 16), "every row of the window passed over"
+    assert client.scard(keys.rows_solved) == ROWS, "row 3 counted again as it was passed over"
+    look = claim()
+    assert (look.ticket, look.passed_over) == (ROWS + 16, 0), "every row set aside: the last look begins"
 
 
 @pytest.mark.parametrize("aside", [1, 3])
@@ -155,7 +210,17 @@ def _producer(keys, redis_url, tmp_path, client, *, rows: int, reward: float, **
 def test_a_producer_stops_when_nothing_is_left_to_teach_and_the_run_says_so(
     client, keys, redis_url, tmp_path, caplog
 ):
-    p = _producer(keys, redis_url, tmp_path, client, rows=2, reward=1.0, defer_after=2, revisit_share=0.0)
+    p = _producer(
+        keys,
+        redis_url,
+        tmp_path,
+        client,
+        rows=2,
+        reward=1.0,
+        defer_after=2,
+        defer_pass_rate=0,
+        revisit_share=0.0,
+    )
     with caplog.at_level(logging.INFO, logger="producers.producer"):
         assert p.run() == 0
     assert client.xlen(keys.traj) == 6, "two groups of each row, a last look at each, then nothing"
@@ -207,10 +272,13 @@ def _groups(client, keys) -> list[TrajectoryGroup]:
     return [decode(f[b"d"], TrajectoryGroup) for _, f in client.xrange(keys.traj)]
 
 
-@pytest.mark.parametrize("share", ["1.0", "-0.1"])
-def test_a_revisit_share_outside_0_to_1_is_a_config_error_naming_the_key(share):
+@pytest.mark.parametrize(
+    "key, value", [("revisit_share", "1.0"), ("revisit_share", "-0.1"), ("defer_pass_rate", "1.5")]
+)
+def test_a_share_or_rate_outside_0_to_1_is_a_config_error_naming_the_key(key, value):
     with pytest.raises(ConfigError) as e:
-        parse_config(f"[producer]\nrevisit_share = {share}\n")
-    assert "producer.revisit_share" in str(e.value)
-    off = parse_config("[producer]\ndefer_after = 0\ndefer_failed_after = 0\n").producer
-    assert (off.defer_after, off.defer_failed_after) == (0, 0), "0 and 0: rows never step aside"
+        parse_config(f"[producer]\n{key} = {value}\n")
+    assert f"producer.{key}" in str(e.value)
+    off = parse_config("[producer]\ndefer_after = 0\ndefer_failed_after = 0\ndefer_pass_rate = 0\n").producer
+    rule = Rule(off.defer_after, off.defer_failed_after, off.revisit_share, off.defer_pass_rate)
+    assert not rule.on, "0, 0 and 0: rows never step aside"
