@@ -120,7 +120,7 @@ def test_a_row_is_judged_by_its_record_as_stored(client, keys):
     assert client.smembers(keys.rows_solved) == {b"0"}, "set aside as every claim will judge it"
 
 
-def test_a_row_passed_over_but_missing_from_its_set_is_counted_and_the_run_ends(client, keys):
+def test_a_row_passed_over_but_missing_from_its_set_is_counted_and_the_last_look_begins(client, keys):
     leases, admission = _leases(client, keys, defer_after=1)
     for _ in range(ROWS):
         _group(leases, admission, lambda r: "solved")
