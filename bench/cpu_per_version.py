@@ -363,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{_ratio(a, b):.2f}x" for a, b in zip(systems, bares))
         )
     C.print_table(heads, rows)
-    print(f"the system ran {systems[-1]['producers']} producer(s) on {os.cpu_count()} cores")
+    from streamer.cli.up import cores  # here, not at the top: the bare child imports this file
+
+    print(f"the system ran {systems[-1]['producers']} producer(s) on {cores()} cores")
     total = sum(system["roles"].values()) or 1.0
     parts = sorted(system["roles"].items(), key=lambda kv: -kv[1])
     print("system CPU by process role (from /proc, every 0.25 s):")
