@@ -32,6 +32,17 @@ def test_demo_rows_and_a_jsonl_file(tmp_path):
     assert rows == [{"prompt": "2+2=", "answer": "4"}, {"messages": [{"role": "user", "content": "hi"}]}]
 
 
+def test_the_demo_split_holds_out_pairs_whose_mirror_and_answer_are_trained():
+    pair = lambda row: tuple(int(d) for d in row["messages"][0]["content"].rstrip("=").split("+"))  # noqa: E731
+    train, held = [pair(r) for r in demo.rows("train")], [pair(r) for r in demo.rows("eval")]
+    assert len(train) == 45 and len(held) == 10 and not set(train) & set(held)
+    for a, b in held:
+        assert (b, a) in train, f"{a}+{b}: its mirror is not trained"
+        assert sum(a2 + b2 == a + b for a2, b2 in train) >= 3, f"{a}+{b}: its answer is rare in training"
+    for d in range(10):
+        assert any(a == d for a, _ in train) and any(b == d for _, b in train), f"digit {d}"
+
+
 @pytest.mark.parametrize(
     "line, reason",
     [
