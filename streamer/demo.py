@@ -61,7 +61,7 @@ def config():
 # trained pairs; and every digit still starts and ends some trained prompt. A held-out
 # ``1+0`` (its answer given by ``0+1`` alone) measures whether a tiny model keeps an answer
 # it saw once, not whether it adds: a split holding it out had it wrong in 8 of 10 final
-# models, and reached held-out 0.8 in fewer seeds.
+# models (docs/BENCHMARKS.md, the demo's learning curve).
 HELD_OUT = frozenset({(2, 1), (3, 2), (4, 0), (4, 3), (5, 0), (5, 1), (5, 4), (6, 2), (7, 0), (8, 1)})
 
 
