@@ -43,7 +43,7 @@ def config():
         trainer={
             "steps": STEPS,
             "groups_per_step": 8,
-            "lr": 1e-3,
+            "lr": 5e-4,
             "lr_schedule": "cosine",
             "min_lr_ratio": 0.1,
             "lr_decay_steps": STEPS * 2,  # optimizer steps: 2 minibatches a step

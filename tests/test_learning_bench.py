@@ -10,12 +10,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import learning
 
+from streamer import demo
+
 
 def test_the_config_is_the_demo_with_the_cell_set():
     cfg = learning.config(loss="cispo", staleness=2, seed=3, steps=40, eval_every=5)
     assert (cfg.trainer.loss, cfg.trainer.max_staleness, cfg.trainer.steps) == ("cispo", 2, 40)
     assert cfg.run.seed == 3 and cfg.eval.eval_every == 5
-    assert cfg.producer.reward == "streamer.demo:reward" and cfg.trainer.lr == 1e-3  # the demo's
+    assert cfg.producer.reward == "streamer.demo:reward" and cfg.trainer.lr == demo.config().trainer.lr
 
 
 def test_samples_to_target():
