@@ -37,7 +37,7 @@ With ``--model-size`` (2.4M = 256 x 4, 298k = 128 x 2) or ``--hidden``/``--layer
 both sides use a demo model of that size (the demo's
 tokenizer, task and settings; written once to the work directory), to show how the
 system's overhead, fixed per group and per version, weighs against more compute per token.
-``--lr`` sets both sides' learning rate; 2.4M runs at 3e-5 unless given one. At the demo's
+``--lr`` sets both sides' learning rate; 2.4M runs at 3e-5 unless given one. At
 1e-3 (and at 3e-4) every row of the 2.4M model steps aside and the run ends at ~110 (~210)
 steps; at 1e-4 every row is solved (all 16 samples right) by ~300. At 3e-5 it trains the 500
 steps, held-out accuracy 1.0 from ~180 on, some rows still learnable at the end.
