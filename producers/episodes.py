@@ -133,7 +133,7 @@ def _to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int, max_versi
         reward=float(episode.reward),
         finish_reason=episode.finish_reason if episode.finish_reason in ("stop", "length") else "stop",
         version=min(s.version for s in spans),
-        mask=None if single and all(mask) else mask,
+        mask=None if all(mask) else mask,
         spans=None if single else spans,
     )
 

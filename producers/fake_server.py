@@ -9,9 +9,21 @@ vLLM's ``/collective_rpc`` ``reload_weights`` + ``/reset_prefix_cache``) and vLL
 generates comes from a ``backend(body) -> list[Completion]``: a real local sampler, or a
 canned answer after a fixed latency (the test double for a remote inference server).
 
+It models the engines' in-flight controls too: vLLM's ``/pause?mode=wait|abort|keep``,
+``/resume``, ``GET /is_paused`` and ``/reset_prefix_cache`` (``{"success": ...}``), and
+SGLang's ``/pause_generation {"mode": "abort"|"retract"|"in_place"}`` and
+``/continue_generation``. While paused, new requests queue; a streamed request
+(``"stream": true``, one SSE chunk per token every ``token_delay`` seconds) stops between
+tokens and, paused to abort, ends with finish reason ``abort``; a wait-mode pause returns
+once no request is in flight. ``version`` is what the last reload loaded (a counter), and
+each streamed token's chunk carries the version that produced it as ``x_version``, so a
+test can check a client's stamps token by token. ``pauses`` is False for a server without
+the pause routes (404, as vLLM without dev mode).
+
 Test hooks: ``hold`` (clear it to make requests wait; ``pass_first`` lets the first k
 through, such as a producer's readiness probe), ``fail_next`` (answer the next k requests
-with an error status), and counters of requests, in-flight peak and reloads.
+with an error status), ``reset_fails`` (answer the next k cache resets ``success: false``),
+and counters of requests, in-flight peak and reloads.
 """
 
 from __future__ import annotations
@@ -66,8 +78,15 @@ class FakeCompletionsServer:
         latency: float = 0.0,
         token_ids_field: bool = True,
         host: str = "127.0.0.1",
+        token_delay: float = 0.0,
+        pauses: bool = True,
     ):
         self.backend, self.latency, self.token_ids_field = backend, latency, token_ids_field
+        self.token_delay, self.pauses = token_delay, pauses
+        self.version = 0  # reloads done: the weights that produce the tokens now
+        self.paused = ""  # "" = generating; else the pause mode
+        self.resumed = threading.Condition()
+        self.reset_fails = 0
         self.hold = threading.Event()
         self.hold.set()  # clear() to make requests wait until set() again
         self.pass_first = 0  # completions requests answered before hold and started apply (a probe)
@@ -125,6 +144,7 @@ class FakeCompletionsServer:
             if not passed:
                 self.started.set()
                 self.hold.wait()
+            self._wait_resumed()
             if self.latency:
                 time.sleep(self.latency)
             if status != 200:
@@ -176,9 +196,75 @@ class FakeCompletionsServer:
             },
         }
 
+    # ------------------------------------------------------------ pauses and streams
+
+    def _wait_resumed(self) -> None:
+        with self.resumed:
+            self.resumed.wait_for(lambda: not self.paused)
+
+    def pause(self, mode: str) -> None:
+        with self.resumed:
+            self.paused = mode
+            if mode == "wait":  # vLLM: once the requests in flight are done
+                self.resumed.wait_for(lambda: self.in_flight == 0, timeout=60)
+
+    def resume(self) -> None:
+        with self.resumed:
+            self.paused = ""
+            self.resumed.notify_all()
+
+    def stream(self, handler, body: dict) -> None:
+        """Answer a streamed request: one SSE chunk per token (see the module doc)."""
+        status, answer = self.answer({**body, "stream": False})
+        if status != 200:
+            return handler.send_json(status, answer)
+        with self._lock:
+            self.in_flight += 1
+        try:
+            handler.send_response(200)
+            handler.send_header("Content-Type", "text/event-stream")
+            handler.send_header("Connection", "close")
+            handler.end_headers()
+            handler.close_connection = True
+            for choice in answer["choices"]:
+                self._stream_choice(handler, choice)
+            handler.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client left: the request is aborted
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+            with self.resumed:
+                self.resumed.notify_all()
+
+    def _stream_choice(self, handler, choice: dict) -> None:
+        ids, lps = choice.get("token_ids") or [], choice["logprobs"]["token_logprobs"]
+        for k, (t, lp) in enumerate(zip(ids, lps, strict=True)):
+            with self.resumed:
+                if self.paused in ("abort",):
+                    return _chunk(handler, choice["index"], [], [], "abort", self.version)
+                self.resumed.wait_for(lambda: not self.paused)
+                version = self.version
+            last = k == len(ids) - 1
+            _chunk(handler, choice["index"], [t], [lp], choice["finish_reason"] if last else None, version)
+            if self.token_delay:
+                time.sleep(self.token_delay)
+
+
+def _chunk(handler, index: int, ids: list[int], lps: list[float], finish, version: int) -> None:
+    choice = {"index": index, "text": "", "token_ids": ids, "finish_reason": finish, "x_version": version}
+    choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": lps}
+    handler.wfile.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+    handler.wfile.flush()
+
 
 def _handler(server: FakeCompletionsServer):
     class Handler(JsonHandler):
+        def do_GET(self):
+            if self.path == "/is_paused" and server.pauses:
+                return self.send_json(200, {"is_paused": bool(server.paused)})
+            return self.send_json(404, {"object": "error", "message": f"no route {self.path}", "code": 404})
+
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
             try:
@@ -186,8 +272,18 @@ def _handler(server: FakeCompletionsServer):
             except ValueError:
                 return self.send_json(400, {"object": "error", "message": "bad JSON", "code": 400})
             if self.path == "/v1/completions":
+                if body.get("stream"):
+                    return server.stream(self, body)
                 return self.send_json(*server.answer(body))
             server.paths.append(self.path)
+            route = self.path.split("?")[0]
+            if server.pauses and route in ("/pause", "/pause_generation"):
+                mode = self.path.partition("mode=")[2] or body.get("mode", "abort")
+                server.pause(mode)
+                return self.send_json(200, {"status": "paused"})
+            if server.pauses and route in ("/resume", "/continue_generation"):
+                server.resume()
+                return self.send_json(200, {"status": "resumed"})
             if self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
                 name = body.get("lora_name", "")
                 if self.path.startswith("/v1/load"):
@@ -196,12 +292,20 @@ def _handler(server: FakeCompletionsServer):
                     server.adapters.pop(name, None)
                 return self.send_body(200, f"Success: LoRA adapter '{name}' updated.".encode())
             if self.path == "/update_weights_from_disk":
+                if not server.paused:  # SGLang waits for the requests in flight itself
+                    server.pause("wait")
+                    server.resume()
                 server.reloads.append(body.get("model_path", ""))
+                server.version += 1
                 return self.send_json(200, {"success": True, "message": "loaded"})
             if self.path == "/collective_rpc" and body.get("method") == "reload_weights":
                 server.reloads.append(body.get("kwargs", {}).get("weights_path", ""))
+                server.version += 1
                 return self.send_json(200, {"results": [None]})
-            if self.path == "/reset_prefix_cache":
+            if route == "/reset_prefix_cache":
+                if server.reset_fails > 0:
+                    server.reset_fails -= 1
+                    return self.send_json(200, {"success": False})
                 server.cache_resets += 1
                 return self.send_json(200, {"success": True})
             return self.send_json(404, {"object": "error", "message": f"no route {self.path}", "code": 404})

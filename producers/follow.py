@@ -29,9 +29,9 @@ from pathlib import Path
 
 import redis
 
-from producers.reload import SharedReload
+from producers.reload import ServerVersions
 from schemas import WeightSync
-from streamer import problems, weights
+from streamer import lora, problems, weights
 from streamer.config import RunConfig
 from streamer.errors import SamplerError, StreamerError, WeightsError
 from streamer.keys import Keys
@@ -53,6 +53,7 @@ class WeightFollower:
         sampler,
         verify: str = "manifest",
         who: str = "",
+        inflight_updates: str = "drain",
     ):
         self.client, self.keys, self.who = client, keys, who  # who: the role, in status's problems
         self.tail = Tail(client, keys.policy, as_type=WeightSync)
@@ -72,9 +73,20 @@ class WeightFollower:
                 "trainer drops them once they are older than trainer.max_staleness versions",
                 getattr(getattr(sampler, "engine", None), "name", "?"),
             )
-        # producers sharing one inference server reload it once per version, in order
+        # every process sampling one inference server updates it once per version, in order,
+        # and knows which version sampled each token it gets (producers.reload)
         url = getattr(sampler, "base_url", None)
-        self.shared = SharedReload(client, keys, url, lock_seconds=sampler.reload_deadline()) if url else None
+        self.shared = None
+        if url:
+            self.shared = ServerVersions(
+                client,
+                keys,
+                url,
+                lock_seconds=sampler.reload_deadline(),
+                flight_seconds=sampler.timeout * (sampler.retries + 1) + 10.0,
+                mode=inflight_updates,
+            )
+            sampler.attach(self.shared)
 
     @classmethod
     def of_run(cls, cfg: RunConfig, client: redis.Redis, sampler, *, who: str) -> WeightFollower:
@@ -86,6 +98,7 @@ class WeightFollower:
             sampler=sampler,
             verify=cfg.weights.verify,
             who=who,
+            inflight_updates=cfg.producer.inflight_updates,
         )
 
     def due(self, sync: WeightSync | None) -> bool:
@@ -114,7 +127,12 @@ class WeightFollower:
                 version = sync.version
             else:  # the version the server confirmed, which may be newer than sync's
                 reloads = self.shared.reloads
-                version = self.shared.ensure(sync.version, lambda: self.sampler.load_weights(path))
+                if lora.is_adapter(path):  # each request names its adapter: no in-flight protocol
+                    version = self.shared.ensure(sync.version, lambda: self.sampler.load_weights(path))
+                else:
+                    version = self.shared.ensure(
+                        sync.version, lambda: self.sampler.reload(path), engine=self.sampler
+                    )
                 adopt = getattr(self.sampler, "adopt", None)
                 if self.shared.reloads == reloads and adopt is not None:  # another producer loaded it
                     adopt(weights.version_dir(self.weights_dir, version))

@@ -98,6 +98,12 @@ class Outages:
                 continue
             self.recovered()
             log.info("engine %s answers", getattr(sampler, "base_url", ""))
+            if (check := getattr(sampler, "check_updates", None)) is not None:
+                try:
+                    check()
+                except SamplerError as e:
+                    problems.report(self.client, self.keys, self.who, str(e))
+                    raise
             return
 
     async def engine_failed(self, e: SamplerError) -> None:

@@ -6,13 +6,13 @@ Request (``POST {base_url}/v1/completions``)::
      "max_tokens": ..., "logprobs": 1, "stop_token_ids": [...],
      "return_token_ids": true, "return_tokens_as_token_ids": true}
 
-``prompt`` as a list of ints is a token-id prompt on both servers. Completion token ids
-come back as ``choices[i].token_ids`` (vLLM >= 0.10.2 and SGLang with
-``return_token_ids``); older vLLM only encodes them in ``choices[i].logprobs.tokens`` as
-``"token_id:{id}"`` strings (``return_tokens_as_token_ids``), which is the fallback. The
-log-prob of each sampled token is ``choices[i].logprobs.token_logprobs``. Both servers
-keep the EOS token in ``token_ids`` when it ended the completion; it is cut after the
-first stop id like the local sampler's.
+``prompt`` as a list of ints is a token-id prompt on both servers; the answer is checked by
+:mod:`producers.completions`.
+
+Attached to the server's :class:`~producers.reload.ServerVersions` (the weight follower
+does it), every request is a flight that knows the version that sampled each token: whole
+with ``producer.inflight_updates = "drain"``, streamed (:mod:`producers.streaming`) with
+``keep`` and ``abort``, whose requests may span an update.
 
 Timeouts per request, bounded retries with exponential backoff and jitter on transport
 errors, 429 and 5xx; other 4xx fail at once. At most ``concurrency`` requests are in
@@ -26,6 +26,7 @@ adapter as their ``model``; adapters two versions old are unloaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -35,9 +36,10 @@ from pathlib import Path
 
 import httpx
 
+from producers import streaming
+from producers.completions import parse_completions
 from producers.engines import Engine, Vllm
-from producers.samplers import Completion, SamplerError, cut_at_stop
-from streamer.errors import EpisodeRejected
+from producers.samplers import Completion, SamplerError
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +49,6 @@ MAX_REPLY_BYTES = 64 << 20
 
 class _TooLarge(Exception):
     pass
-
-
-_TOKEN_PREFIX = "token_id:"
-_INT32_MAX = 2**31 - 1
 
 
 class RemoteSampler:
@@ -67,6 +65,7 @@ class RemoteSampler:
         max_reply_bytes: int = MAX_REPLY_BYTES,
         backoff: float = 0.5,
         max_backoff: float = 10.0,
+        extra_body: dict | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.model, self.stop_ids = model, list(stop_ids)
@@ -75,12 +74,16 @@ class RemoteSampler:
         self.engine = engine or Vllm()
         self.max_reply_bytes = max_reply_bytes
         self.adapters: list[str] = []  # loaded LoRA adapter names, oldest first
+        self.extra_body = dict(extra_body or {})  # engine-specific request fields (e.g. vLLM's min_tokens)
+        self.server = None  # producers.reload.ServerVersions, once attached: per-token versions
+        self.can_pause = True  # False once check_updates found no pause on the server
         self.max_parallel = concurrency  # engine calls a producer may have in flight at once
         self._slots = threading.BoundedSemaphore(concurrency)
         self._http = httpx.Client(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)),
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+            # + the control calls (reload, pause, resume), which must not wait for a request slot
+            limits=httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2),
         )
 
     def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=None):
@@ -95,10 +98,62 @@ class RemoteSampler:
             "stop_token_ids": self.stop_ids,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
+            **self.extra_body,
         }
         # ``seed`` is not forwarded: with n > 1 a request seed is not portable across servers
-        data = self._post("/v1/completions", body)
-        return parse_completions(data, n=n, stop_ids=self.stop_ids)
+        if self.server is None:  # nobody tracks the server's versions: the caller stamps them
+            data = self._post("/v1/completions", body)
+            return parse_completions(data, n=n, stop_ids=self.stop_ids)
+        if self.server.mode == "drain":  # no request spans an update: its flight's version is exact
+            with self._slots, self.server.flight() as flight:
+                data = self._post("/v1/completions", body, slot=False)
+            done = parse_completions(data, n=n, stop_ids=self.stop_ids)
+            return [Completion(c.token_ids, c.logprobs, c.finish_reason, flight.version) for c in done]
+        return streaming.sample(self, body)
+
+    def attach(self, server) -> None:
+        """Track this server's versions per token with ``server``
+        (:class:`producers.reload.ServerVersions`): completions come back stamped."""
+        self.server = server
+
+    def engine_missing(self) -> str:
+        """What the server lacks for ``producer.inflight_updates`` ("" = nothing)."""
+
+        def get(path: str) -> int:
+            try:
+                return self._http.get(path).status_code
+            except httpx.TransportError:
+                return 0
+
+        return self.engine.missing(get)
+
+    def check_updates(self) -> None:
+        """At start: say in one line what the server lacks for ``producer.inflight_updates``
+        and which modes remain; SamplerError (refused) when the configured mode needs it."""
+        if not self.follows_versions or not (missing := self.engine_missing()):
+            return
+        self.can_pause = False
+        mode = self.server.mode if self.server is not None else "drain"
+        line = (
+            f"{self.base_url} ({self.engine.name}) has no {missing}: producer.inflight_updates 'keep' "
+            "cannot work; 'drain' and 'abort' remain (their clients drain or cut requests, and the "
+            "reload runs unpaused)"
+        )
+        if mode == "keep":
+            raise SamplerError(line, refused=True)
+        log.warning("%s", line)
+
+    # the in-flight protocol's engine calls (producers.reload.ServerVersions._update)
+    def pause(self, mode: str) -> None:
+        if self.can_pause:
+            self.engine.pause(self._control, mode)
+
+    def reset(self, *, running: bool) -> None:
+        self.engine.reset(self._control, running=running)
+
+    def resume(self) -> None:
+        if self.can_pause:
+            self.engine.resume(self._control)
 
     @property
     def follows_versions(self) -> bool:
@@ -128,7 +183,17 @@ class RemoteSampler:
 
         if lora.is_adapter(directory):
             return self._load_adapter(Path(directory))
-        self.engine.reload(self._post, Path(directory))
+        self.pause("drain")  # alone: nobody tracks requests in flight, the engine drains them
+        try:
+            self.reload(Path(directory))
+            self.reset(running=False)
+        finally:
+            self.resume()
+
+    def reload(self, directory: Path) -> None:
+        """Only the full weights in ``directory`` into the engine: the in-flight protocol
+        around it is :class:`producers.reload.ServerVersions`'."""
+        self.engine.reload(self._control, Path(directory))
 
     def adopt(self, directory: Path) -> None:
         """Another producer loaded ``directory`` into this shared server: sample with it too.
@@ -182,11 +247,17 @@ class RemoteSampler:
                 chunks.append(chunk)
             return resp.status_code, b"".join(chunks)
 
-    def _post(self, path: str, body: dict, *, as_json: bool = True):
-        """POST with bounded retries; the JSON answer, or SamplerError."""
+    def _control(self, path: str, body: dict, *, as_json: bool = True):
+        """A control call (reload, pause, reset, resume): never waits behind the requests it
+        controls for one of their slots."""
+        return self._post(path, body, as_json=as_json, slot=False)
+
+    def _post(self, path: str, body: dict, *, as_json: bool = True, slot: bool = True):
+        """POST with bounded retries; the JSON answer, or SamplerError. ``slot``: take one of
+        the ``concurrency`` request slots (False: the caller holds one)."""
         attempt = 0
         while True:
-            with self._slots:
+            with self._slots if slot else contextlib.nullcontext():
                 try:
                     status, content = self._read(path, body)
                     error = (
@@ -215,64 +286,3 @@ class RemoteSampler:
             )
             time.sleep(delay)
             attempt += 1
-
-
-def parse_completions(data: dict, *, n: int, stop_ids: list[int]) -> list[Completion]:
-    """The ``n`` choices of a completions answer as Completions (ordered by ``index``).
-
-    The answer is untrusted: a server that answers without the fields asked for (no
-    choices, no log-probs, no token ids) is a :class:`SamplerError`; a choice whose values
-    cannot mean what they say (an id that is not an int32, a log-prob that is not a number)
-    drops the rollout (:class:`EpisodeRejected`); the ids' vocabulary and the log-probs'
-    range are checked with the episode (:func:`producers.episodes.to_sample`).
-    """
-    try:
-        choices = data["choices"]
-        if not all(isinstance(c, dict) for c in choices):
-            raise TypeError
-        choices = sorted(choices, key=lambda c: c.get("index", 0))
-    except (KeyError, TypeError, AttributeError):
-        raise SamplerError(f"answer has no `choices`: {str(data)[:200]}") from None
-    if len(choices) != n:
-        raise SamplerError(f"asked for {n} completions, got {len(choices)}")
-    return [_parse_choice(c, stop_ids) for c in choices]
-
-
-def _parse_choice(choice: dict, stop_ids: list[int]) -> Completion:
-    lp = choice.get("logprobs") or {}
-    logprobs = lp.get("token_logprobs") if isinstance(lp, dict) else None
-    if logprobs is None:
-        raise SamplerError("choice has no logprobs.token_logprobs (was `logprobs` ignored?)")
-    ids = choice.get("token_ids")
-    if ids is None:
-        tokens = lp.get("tokens") or []
-        if not all(isinstance(t, str) and t.startswith(_TOKEN_PREFIX) for t in tokens):
-            raise SamplerError(
-                "choice has no token ids: the server needs `return_token_ids` (vLLM >= 0.10.2, "
-                "SGLang) or `return_tokens_as_token_ids` (vLLM)"
-            )
-        ids = [_id_of(t[len(_TOKEN_PREFIX) :]) for t in tokens]
-    if not isinstance(ids, list) or not isinstance(logprobs, list):
-        raise EpisodeRejected("malformed", "the engine's token ids and log-probs must be lists")
-    if len(ids) != len(logprobs) or any(p is None for p in logprobs):
-        raise SamplerError(f"choice has {len(ids)} token ids but {len(logprobs)} log-probs")
-    for i in ids:
-        if type(i) is not int or not 0 <= i <= _INT32_MAX:
-            raise EpisodeRejected("bad_token", f"the engine sent token id {i!r:.40}, not an int32 id")
-    try:
-        floats = [float(p) for p in logprobs if type(p) in (int, float)]
-    except OverflowError:  # an int past float's range
-        raise EpisodeRejected("bad_logprob", "the engine sent a log-prob past float's range") from None
-    if len(floats) != len(logprobs):
-        bad = next(p for p in logprobs if type(p) not in (int, float))
-        raise EpisodeRejected("bad_logprob", f"the engine sent log-prob {bad!r:.40}, not a number")
-    done = cut_at_stop(ids, floats, stop_ids)
-    if done.finish_reason == "length" and choice.get("finish_reason") == "stop":
-        # ended by a stop string or a stop token the server did not return: keep its verdict
-        return Completion(done.token_ids, done.logprobs, "stop")
-    return done
-
-
-def _id_of(digits: str) -> int | str:
-    """A ``token_id:{id}`` string's id (the text itself when it is not a plain number)."""
-    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) < 20 else digits

@@ -23,9 +23,7 @@ async def single_turn(row: dict, ctx: RolloutContext) -> list[Episode]:
         timeout=ctx.reward_timeout,
     )
     return [
-        Episode(
-            [Segment(prompt), Segment(list(c.token_ids), list(c.logprobs), c.version)], r, c.finish_reason
-        )
+        Episode([Segment(prompt), *c.segments()], r, c.finish_reason)
         for c, r in zip(completions, rewards, strict=True)
         if r is not None
     ]

@@ -102,5 +102,10 @@ class Transport:
 
 
 def _stamped(completions: list[Completion], version: int) -> list[Completion]:
+    """Completions of an in-process model or an untracked server, stamped with ``version``; a
+    server tracked per token (:mod:`producers.reload`) stamped its own."""
     # built directly: dataclasses.replace reads the fields anew for every completion
-    return [Completion(c.token_ids, c.logprobs, c.finish_reason, version) for c in completions]
+    return [
+        c if c.version is not None else Completion(c.token_ids, c.logprobs, c.finish_reason, version)
+        for c in completions
+    ]

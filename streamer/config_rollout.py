@@ -29,6 +29,9 @@ class ProducerSection(Section):
     )
     reload_endpoint: str = ""  # "" = the engine's reload; else POST {"model_path": dir} here (SGLang's shape)
     lora_endpoint: str = ""  # "" = the engine's LoRA endpoint; else POST {"lora_name", "lora_path"} here
+    inflight_updates: Literal["drain", "keep", "abort"] = (
+        "drain"  # requests in flight at a reload: finish first, go on under the new weights, or restart from their tokens
+    )
     remote_logprobs: Literal["", "raw", "processed"] = (
         ""  # what the server reports; "" = the engine's default
     )

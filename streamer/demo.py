@@ -126,7 +126,13 @@ def tokenizer():
 
 
 def model_config(
-    *, hidden: int = 64, layers: int = 2, heads: int = 4, intermediate: int = 128, tie: bool = True
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    intermediate: int = 128,
+    tie: bool = True,
+    positions: int = 64,
 ):
     """A Qwen2 config for the demo vocabulary: ~100k parameters at the defaults."""
     from transformers import Qwen2Config
@@ -139,7 +145,7 @@ def model_config(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=positions,
         tie_word_embeddings=tie,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
@@ -152,15 +158,16 @@ def model_config(
 ENGINE_SIZE = {"hidden": 128, "heads": 2, "intermediate": 256}
 
 
-def save_for_engine(directory, seed: int = 0):
+def save_for_engine(directory, seed: int = 0, positions: int = 64):
     """The untrained demo model in the shape every engine accepts (:data:`ENGINE_SIZE`,
-    untied), saved with the tokenizer as an HF directory an engine serves; the directory."""
+    untied, ``positions`` long), saved with the tokenizer as an HF directory an engine
+    serves; the directory."""
     from pathlib import Path
 
     directory = Path(directory)
     if (directory / "config.json").exists():
         return directory
-    model = build_model(seed, **ENGINE_SIZE, tie=False)
+    model = build_model(seed, **ENGINE_SIZE, tie=False, positions=positions)
     tmp = directory.with_name(directory.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer().save_pretrained(tmp)

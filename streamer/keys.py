@@ -148,6 +148,15 @@ class Keys:
     def reload_lock(self, server: str) -> str:
         return self._k(f"reload_lock:{server}")  # STRING (PX): token of the one producer reloading it
 
+    def engine_readers(self, server: str) -> str:
+        return self._k(f"engine_readers:{server}")  # ZSET request id -> lease end (ms): requests in flight
+
+    def engine_update(self, server: str) -> str:
+        return self._k(f"engine_update:{server}")  # STRING (PX) "mode:state:version": an update under way
+
+    def engine_acks(self, server: str) -> str:
+        return self._k(f"engine_acks:{server}")  # SET request ids that counted their tokens (keep)
+
     @property
     def rejected_since_step(self) -> str:
         return self._k("rejected_since_step")  # HASH reason -> groups rejected since the last step

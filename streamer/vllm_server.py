@@ -96,6 +96,7 @@ def command(
     dtype: str = "float32",
     max_model_len: int = 64,
     lora_rank: int = 0,
+    block_size: int = 0,
     exe: Path | None = None,
 ) -> list[str]:
     exe = exe or python()
@@ -105,6 +106,8 @@ def command(
         )
     argv = [str(exe), "-m", MODULE, "--model", str(model_dir), "--host", host, "--port", str(port)]
     argv += ["--dtype", dtype, "--max-model-len", str(max_model_len)]
+    if block_size:  # KV cache block (and prefix-cache) granularity, in tokens
+        argv += ["--block-size", str(block_size)]
     if gpu():  # leave the trainer most of the memory when both share a GPU
         argv += ["--gpu-memory-utilization", os.environ.get("STREAMER_VLLM_GPU_MEMORY", "0.3")]
     else:

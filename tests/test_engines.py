@@ -36,8 +36,17 @@ def _publish(client, keys, root, version: int) -> None:
 @pytest.mark.parametrize(
     ("name", "overrides", "calls"),
     [
-        ("vllm", {}, ["/collective_rpc", "/reset_prefix_cache"]),
-        ("sglang", {}, ["/update_weights_from_disk"]),
+        (
+            "vllm",
+            {},
+            [
+                "/pause?mode=wait",
+                "/collective_rpc",
+                "/reset_prefix_cache?reset_running_requests=false",
+                "/resume",
+            ],
+        ),
+        ("sglang", {}, ["/update_weights_from_disk", "/continue_generation"]),
         ("openai", {"reload_endpoint": "/update_weights_from_disk"}, ["/update_weights_from_disk"]),
     ],
 )

@@ -11,7 +11,7 @@ import redis
 from test_producer import _cfg, _producer, _wait_for
 
 from producers.fake_server import FakeCompletionsServer, canned
-from producers.reload import SharedReload
+from producers.reload import ServerVersions
 from producers.samplers import Completion
 from schemas import TrajectoryGroup, WeightSync, decode, encode
 from streamer import demo, weights
@@ -21,11 +21,11 @@ PRODUCERS, VERSIONS = 4, 4
 
 def test_racing_producers_reload_each_version_once_and_never_backwards(client, keys):
     calls: list[int] = []
-    shared = [SharedReload(client, keys, "http://inference:8000", lock_seconds=10) for _ in range(8)]
+    shared = [ServerVersions(client, keys, "http://inference:8000", lock_seconds=10) for _ in range(8)]
     for version in (1, 2, 3, 5, 4):  # 4 after 5: already served, never loaded backwards
         barrier = threading.Barrier(len(shared))
 
-        def race(s: SharedReload, v: int = version, barrier=barrier) -> None:
+        def race(s: ServerVersions, v: int = version, barrier=barrier) -> None:
             barrier.wait()
             s.ensure(v, lambda: calls.append(v))
 
@@ -54,7 +54,7 @@ class _LosesOneSetReply(redis.Redis):
 
 def test_a_lock_taken_by_a_lost_reply_is_still_ours(redis_url, keys):
     client = _LosesOneSetReply.from_url(redis_url)
-    shared = SharedReload(client, keys, "http://inference:8000", lock_seconds=5)
+    shared = ServerVersions(client, keys, "http://inference:8000", lock_seconds=5)
     with pytest.raises(redis.exceptions.TimeoutError):
         shared.ensure(1, lambda: None)  # the SET took the lock; its reply never came
     assert client.get(shared.lock_key) == shared.token.encode()

@@ -39,11 +39,25 @@ class Completion:
     token_ids: list[int]  # completion tokens, ending with the stop token when finish == "stop"
     logprobs: list[float]  # one per token: log-prob under the sampling distribution
     finish_reason: FinishReason
-    version: int | None = None  # policy version that sampled it (set by the rollout context)
+    version: int | None = None  # policy version that sampled it (the first one, if several did)
+    # the weights changed during the call: (index of the first token, version) of each run of
+    # tokens one version sampled, in order, the first at index 0. None: ``version`` sampled all
+    switches: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise SamplerError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """``(start, end, version)`` of each run of tokens one policy version sampled."""
+        if self.switches is None:
+            return [(0, len(self.token_ids), self.version)] if self.token_ids else []
+        starts = [*self.switches, (len(self.token_ids), -1)]
+        return [(a, b, v) for (a, v), (b, _) in zip(starts, starts[1:]) if b > a]
+
+    def segments(self) -> list[Segment]:
+        """The sampled segments of this call, one per policy version that sampled part of it."""
+        return [Segment(self.token_ids[a:b], self.logprobs[a:b], v) for a, b, v in self.runs()]
 
 
 class Sampler(Protocol):

@@ -60,8 +60,7 @@ class Trajectory:
                 raise
             self._start_piece(prompt)
         self.calls += 1
-        if completion.token_ids:
-            seg = Segment(list(completion.token_ids), list(completion.logprobs), completion.version)
+        for seg in completion.segments():  # one per version, if the weights changed mid-call
             self.segments.append(seg)
             self.tokens += seg.tokens
         self.finish_reason = completion.finish_reason
