@@ -16,8 +16,9 @@ SGLang's ``/pause_generation {"mode": "abort"|"retract"|"in_place"}`` and
 (``"stream": true``, one SSE chunk per token every ``token_delay`` seconds) stops between
 tokens and, paused to abort, ends with finish reason ``abort``; a wait-mode pause returns
 once no request is in flight. ``version`` is what the last reload loaded (a counter), and
-each streamed token's chunk carries the version that produced it as ``x_version``, so a
-test can check a client's stamps token by token. ``pauses`` is False for a server without
+each streamed token's chunk carries the version that produced it as ``x_version`` (and,
+with ``mark_versions``, every token's log-prob is ``-(version + 1) / 100``), so a test can
+check a client's stamps token by token. ``pauses`` is False for a server without
 the pause routes (404, as vLLM without dev mode).
 
 Test hooks: ``hold`` (clear it to make requests wait; ``pass_first`` lets the first k
@@ -80,9 +81,11 @@ class FakeCompletionsServer:
         host: str = "127.0.0.1",
         token_delay: float = 0.0,
         pauses: bool = True,
+        mark_versions: bool = False,
     ):
         self.backend, self.latency, self.token_ids_field = backend, latency, token_ids_field
         self.token_delay, self.pauses = token_delay, pauses
+        self.mark_versions = mark_versions  # each token's log-prob says the version: -(v + 1) / 100
         self.version = 0  # reloads done: the weights that produce the tokens now
         self.paused = ""  # "" = generating; else the pause mode
         self.resumed = threading.Condition()
@@ -156,6 +159,11 @@ class FakeCompletionsServer:
                 completions = self.backend(body)
             except BadRequest as e:
                 return 400, {"object": "error", "message": str(e), "code": 400}
+            if self.mark_versions:
+                mark = -(self.version + 1) / 100
+                completions = [
+                    Completion(c.token_ids, [mark] * len(c.token_ids), c.finish_reason) for c in completions
+                ]
             return 200, self._response(body, completions)
         finally:
             with self._lock:
@@ -246,6 +254,7 @@ class FakeCompletionsServer:
                 self.resumed.wait_for(lambda: not self.paused)
                 version = self.version
             last = k == len(ids) - 1
+            lp = -(version + 1) / 100 if self.mark_versions else lp
             _chunk(handler, choice["index"], [t], [lp], choice["finish_reason"] if last else None, version)
             if self.token_delay:
                 time.sleep(self.token_delay)
