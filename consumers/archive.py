@@ -157,6 +157,8 @@ def _completion(s, advantage, decode_text) -> dict:
         "finish_reason": s.finish_reason,
         "tokens": s.completion_len,
     }
+    if s.spans is not None:  # several turns, or the weights changed mid-completion
+        out["spans"] = [[sp.start, sp.end, sp.version] for sp in s.spans]
     if s.episode is not None:  # a fork: one episode's piece, with a prompt of its own
         out["episode"] = s.episode
         out["prompt"] = decode_text(s.token_ids()[: s.prompt_len].tolist())

@@ -12,13 +12,14 @@ import subprocess
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from trainer_data import make_group, publish
 
 from consumers import advantages
 from consumers.archive import Archiver, RotatingWriter, advantage_of, archive_dir
-from schemas import DeadLetter, encode
+from schemas import DeadLetter, Span, encode
 from streamer import cli, demo
 from streamer.bus import FIELD, entry, trim_acked
 from streamer.config import RunConfig, replace
@@ -61,6 +62,24 @@ def test_every_group_is_archived_as_text_and_samples_prints_it(client, keys, red
     assert out.count("== ") == 6 and "reward +0.000" not in out
     info = {g["name"].decode(): g for g in client.xinfo_groups(keys.traj)}
     assert info[ARCHIVE_GROUP]["pending"] == 0
+
+
+def test_a_completion_two_versions_sampled_shows_each_ones_tokens(client, keys, redis_url, tmp_path, capsys):
+    cfg = _cfg(keys, redis_url, tmp_path)
+    group = make_group(random.Random(1), rewards=(1.0, 0.0), row=0)
+    first = group.samples[0]
+    n = first.completion_len
+    spans = [Span(0, 1, 3), Span(1, n, 4)] if n > 1 else [Span(0, n, 3)]
+    two = msgspec.structs.replace(first, version=3, spans=spans)
+    group = msgspec.structs.replace(group, samples=[two, *group.samples[1:]], policy_version=0)
+    publish(client, keys.traj, [group])
+    archiver = Archiver(cfg, client=client, tokenizer=demo.tokenizer())
+    while archiver.step(block=0.1):
+        pass
+    archiver.close()
+    assert cli.main(["samples", *_args(cfg, "--last", "1")]) == 0
+    out = capsys.readouterr().out
+    assert f"v3[0:1] v4[1:{n}]" in out, out
 
 
 def test_a_stopping_archiver_archives_what_arrived_since_its_last_read(client, keys, redis_url, tmp_path):

@@ -72,10 +72,18 @@ def format_group(rec: dict, *, min_reward: float | None = None) -> str | None:
     lines = [head, f"prompt: {rec['prompt']!r}"]
     for c in comps:
         lines.append(
-            f"  reward {c['reward']:+.3f}  adv {_adv(c['advantage'])}  v{c['version']}  "
+            f"  reward {c['reward']:+.3f}  adv {_adv(c['advantage'])}  {_versions(c)}  "
             f"{c['finish_reason']:<6} {c['text']!r}"
         )
     return "\n".join(lines)
+
+
+def _versions(c: dict) -> str:
+    """``v3``, or the tokens each version sampled when there were several: ``v3[0:17] v4[17:40]``."""
+    spans = c.get("spans")
+    if not spans or len({v for _, _, v in spans}) == 1:
+        return f"v{c['version']}"
+    return " ".join(f"v{v}[{a}:{b}]" for a, b, v in spans)
 
 
 def samples_main(cfg: RunConfig, args: argparse.Namespace) -> int:
