@@ -8,6 +8,7 @@ owns every trajectory entry's bookkeeping). Then, per step:
     ready = the next batch, fresh at hand-off (collated while the last step ran)
     learner.train_step(ready.batch)                 # consumers/learner.py
     feed.trained(ready)                             # admission slots back
+    auditor.audit(ready.groups)                     # a few re-scored under their stamped versions
     version += 1; hand the weights to the version writer (lent on the CPU: the next step's
         optimizer waits until they are read; a snapshot on a GPU), which writes them and
         XADDs the WeightSync + SETs the version key in one script (consumers/versions.py)
@@ -32,6 +33,7 @@ from functools import partial
 import torch
 
 from consumers import advantages, checkpoint, distributed, losses, resume
+from consumers.audit import Auditor
 from consumers.batch import collator
 from consumers.distributed import DataParallel
 from consumers.feed import Feeder, Ready
@@ -112,6 +114,7 @@ class Trainer:
             fence=lease,
         )
         learner.before_update = self.versions.until_read  # the writer reads CPU weights in place
+        self.auditor = Auditor.of(cfg, temperature=learner.temperature)  # version stamps, re-scored
 
     @property
     def step(self) -> int:
@@ -226,6 +229,7 @@ class Trainer:
         stats = self.learner.train_step(ready.batch)
         step_seconds = time.monotonic() - t0
         self.feed.trained(ready)
+        audited = self.auditor.audit(ready.groups, step=self.step)
         self.version += 1
         self.lineage.add(self.version, self.step)
         blocked = self.versions.submit(self.learner.publishable, version=self.version, step=self.step)
@@ -249,6 +253,7 @@ class Trainer:
             "version": float(self.version),
             "weight_sync_seconds": self.versions.last_seconds,
             "groups_accepted": float(len(ready.groups)),
+            **audited,
         }
         rejected = self.feed.take_rejections()
         values.update({f"groups_rejected_{r}": float(rejected.get(r, 0)) for r in REJECT_REASONS})

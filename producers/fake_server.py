@@ -159,6 +159,8 @@ class FakeCompletionsServer:
                 completions = self.backend(body)
             except BadRequest as e:
                 return 400, {"object": "error", "message": str(e), "code": 400}
+            if self.token_delay and not body.get("stream"):  # as long as streaming it would take
+                time.sleep(self.token_delay * max((len(c.token_ids) for c in completions), default=0))
             if self.mark_versions:
                 mark = -(self.version + 1) / 100
                 completions = [

@@ -54,11 +54,20 @@ TRAIN = _axis(
         "reward_mean": "mean reward of the trained groups",
         "version": "policy version after the step",
         "weight_sync_seconds": "time to write and publish the new weights",
+        # the version-stamp audit (consumers/audit.py), when trainer.audit_fraction > 0; its
+        # gauges are of the newest step that audited tokens, repeated until the next one
+        "audit_logprob_gap_mean": "mean |stamped version's log-prob - sampler's| of audited tokens",
+        "audit_logprob_gap_max": "max |stamped version's log-prob - sampler's| of audited tokens",
+        "audit_mismatched_token_share": "ratio of audited tokens whose log-prob gap is above 0.01",
+        "audit_seconds": "time of the step's version-stamp audit",
     },
     counters={
         "groups_accepted": "groups trained",
         "optimizer_steps_skipped": "optimizer steps skipped for a non-finite gradient",
         "tokens": "trained tokens",
+        "audit_groups": "groups re-scored under their stamped versions",
+        "audit_tokens": "sampled tokens re-scored under their stamped versions",
+        "audit_tokens_unauditable": "audited groups' sampled tokens whose version is gone from disk (or an adapter)",
         **{f"groups_rejected_{r}": f"groups rejected: {r.replace('_', ' ')}" for r in REJECT_REASONS},
     },
 )

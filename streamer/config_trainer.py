@@ -74,6 +74,7 @@ class TrainerSection(Section):
     user_filter: str = ""  # import path of (group) -> bool; false rejects the group
     checkpoint_every: PosInt = 10  # steps between checkpoints (and at exit)
     keep_versions: PosInt = 3  # weight versions kept on disk
+    audit_fraction: Fraction = 0.05  # share of groups re-scored under their stamped versions; 0 = off
     gradient_checkpointing: bool = False  # trade compute for memory
     fsdp: bool = False  # under torchrun: shard weights, grads and AdamW state over the ranks (FSDP2)
     min_group_size: PosInt = 2  # fewer samples (after dropping over-long ones) rejects the group
