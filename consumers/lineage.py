@@ -62,7 +62,24 @@ class Lineage:
             return self.step - step
         return (step - fork) + (self.step - fork)
 
+    def tokens_behind(self, groups: Iterable[TrajectoryGroup]) -> dict[int, int]:
+        """Sampled tokens of ``groups`` by the distance of the version that sampled each one."""
+        out: dict[int, int] = {}
+        for g in groups:
+            for s in g.samples:
+                for start, end, version in _runs(s):
+                    d = self.distance(version)
+                    out[d] = out.get(d, 0) + end - start
+        return out
+
     def staleness(self, group: TrajectoryGroup) -> int:
         """The distance of the group's stalest sample version."""
         versions = {s.version for s in group.samples} | {group.policy_version}
         return max(self.distance(v) for v in versions)
+
+
+def _runs(sample) -> list[tuple[int, int, int]]:
+    """(start, end, version) of a sample's sampled tokens: its spans, or all of it."""
+    if sample.spans is None:
+        return [(0, sample.completion_len, sample.version)]
+    return [(sp.start, sp.end, sp.version) for sp in sample.spans]

@@ -42,7 +42,7 @@ from consumers.learner import Learner
 from consumers.lineage import Lineage
 from consumers.versions import VersionPublisher
 from schemas import MetricsEvent
-from schemas.metric_names import REJECT_REASONS
+from schemas.metric_names import REJECT_REASONS, TOKENS_BEHIND
 from streamer import lifecycle, position, rundir
 from streamer.admission import Admission
 from streamer.bus import Publisher
@@ -223,6 +223,7 @@ class Trainer:
     def _step(self, ready: Ready) -> None:
         """Train one batch, publish the next version, checkpoint when due, report."""
         lags = [self.lineage.staleness(g) for g in ready.groups]
+        behind = self.lineage.tokens_behind(ready.groups)
         t0 = time.monotonic()
         if self.dp:
             self.dp.send_batch(ready.batch)
@@ -254,6 +255,8 @@ class Trainer:
             "weight_sync_seconds": self.versions.last_seconds,
             "groups_accepted": float(len(ready.groups)),
             **audited,
+            **{f"tokens_behind_{k}": float(behind.get(int(k), 0)) for k in TOKENS_BEHIND[:-1]},
+            "tokens_behind_3_or_more": float(sum(n for d, n in behind.items() if d >= 3)),
         }
         rejected = self.feed.take_rejections()
         values.update({f"groups_rejected_{r}": float(rejected.get(r, 0)) for r in REJECT_REASONS})

@@ -14,6 +14,8 @@ Kind = Literal["gauge", "counter"]
 
 # why a producer dropped an episode (see producers.episodes.REASONS)
 EPISODE_DROP_REASONS = ("error", "timeout", "malformed", "bad_token", "bad_logprob", "too_long", "bad_reward")
+# how many versions behind the trained policy a trained token's sampling version was
+TOKENS_BEHIND = ("0", "1", "2", "3_or_more")
 REJECT_REASONS = ("stale", "zero_variance", "too_few_samples", "overlong", "user_filter", "too_long")
 
 
@@ -69,6 +71,11 @@ TRAIN = _axis(
         "audit_tokens": "sampled tokens re-scored under their stamped versions",
         "audit_tokens_unauditable": "audited groups' sampled tokens whose version is gone from disk (or an adapter)",
         **{f"groups_rejected_{r}": f"groups rejected: {r.replace('_', ' ')}" for r in REJECT_REASONS},
+        **{
+            f"tokens_behind_{k}": f"trained sampled tokens whose sampling version was {k.replace('_', ' ')} "
+            "versions behind the policy trained"
+            for k in TOKENS_BEHIND
+        },
     },
 )
 

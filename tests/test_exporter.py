@@ -22,7 +22,7 @@ from waits import Watch, wait_until
 
 from consumers.exporter import SERIES, Exporter
 from schemas import DeadLetter, MetricsEvent, WeightSync
-from schemas.metric_names import REJECT_REASONS
+from schemas.metric_names import REJECT_REASONS, TOKENS_BEHIND
 from streamer.bus import FIELD, Publisher, entry
 from streamer.config import RunConfig, replace
 from streamer.connection import connect
@@ -97,6 +97,7 @@ EXPECTED = {
         (f"streamer_train_{n}_total", ()): 0
         for n in ("audit_groups", "audit_tokens", "audit_tokens_unauditable")
     },
+    **{(f"streamer_train_tokens_behind_{k}_total", ()): 0 for k in TOKENS_BEHIND},
     ("streamer_train_my_metric_x", ()): 7.0,
     ("streamer_rollout_step", ()): 6,
     ("streamer_rollout_reward_mean", ()): 0.0,
