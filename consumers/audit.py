@@ -136,6 +136,7 @@ class Auditor:
         self.total = Tally()
         self.last_step = Tally()  # the newest step that audited tokens: its gauges repeat until the next
         self._window = Tally()  # what the next warning reports: since the last, warn_every steps at most
+        self.total = Tally()  # the whole run's (this process's)
         self._window_start: int | None = None
         self._warned_at: int | None = None
 
@@ -156,6 +157,16 @@ class Auditor:
             weights_dir=cfg.weights_dir,
             build=lambda: models.load_model(cfg.model, seed=cfg.run.seed, dev="cpu"),
             temperature=temperature,
+        )
+
+    def summary(self) -> str:
+        """One line on the whole run's audit ("" when it audited nothing)."""
+        t = self.total
+        if not t.tokens:
+            return ""
+        return (
+            f"version stamps audited over the run: {t.tokens:,} tokens of {t.groups:,} groups, "
+            f"max gap {t.gap_max:.3g} nats, {t.mismatched:,} off by > {MISMATCH_NATS:g}"
         )
 
     @property
@@ -240,6 +251,7 @@ class Auditor:
             self._window_start = step
         w = self._window
         w.add(tally)
+        self.total.add(tally)
         due = self._warned_at is None or step - self._warned_at >= self.warn_every
         if due and w.tokens and w.mismatched > WARN_SHARE * w.tokens:
             log.warning(
@@ -258,4 +270,14 @@ class Auditor:
             self._warned_at = step
         elif step - self._window_start + 1 < self.warn_every:
             return
+        elif w.tokens:  # a window that looked right: say so, with its figure
+            log.info(
+                "version stamps audited: %s tokens (steps %d-%d), max gap %.3g nats, %s off by > %g",
+                f"{w.tokens:,}",
+                self._window_start,
+                step,
+                w.gap_max,
+                f"{w.mismatched:,}",
+                MISMATCH_NATS,
+            )
         self._window, self._window_start = Tally(), None

@@ -211,6 +211,8 @@ class Trainer:
         except BaseException:
             self.versions.abandon()
             raise
+        if summary := self.auditor.summary():
+            log.info("%s", summary)
         log.info("stopped at step %d, version %d", self.step, self.version)
         return 0
 

@@ -106,8 +106,10 @@ def command(
         )
     argv = [str(exe), "-m", MODULE, "--model", str(model_dir), "--host", host, "--port", str(port)]
     argv += ["--dtype", dtype, "--max-model-len", str(max_model_len)]
-    if block_size:  # KV cache block (and prefix-cache) granularity, in tokens
-        argv += ["--block-size", str(block_size)]
+    # KV cache block (and prefix-cache) granularity in tokens: on the CPU the smallest it takes,
+    # so that prompts sharing a system prompt share cached blocks as they do on a GPU
+    if block_size or not gpu():
+        argv += ["--block-size", str(block_size or 32)]
     if gpu():  # leave the trainer most of the memory when both share a GPU
         argv += ["--gpu-memory-utilization", os.environ.get("STREAMER_VLLM_GPU_MEMORY", "0.3")]
     else:

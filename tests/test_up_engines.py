@@ -83,3 +83,49 @@ def test_up_engine_vllm_feeds_every_version_to_the_server_and_stops_it(tmp_path)
         config["tie_word_embeddings"] is False
         and config["hidden_size"] // config["num_attention_heads"] == 64
     )
+
+
+def test_up_engine_vllm_with_requests_in_flight_stamps_every_token_right(tmp_path):
+    """Eight rows in flight on prompts sharing a system prompt longer than a KV block, a new
+    version every step loaded with requests kept in flight: the trainer's audit re-scores
+    half the groups under their stamped versions and finds every token's log-prob right."""
+    need(vllm_server.python() is not None, "no vLLM virtualenv (python3 dev.py vllm)")
+    system = "0123456789" * 3 + "9876"  # 34 tokens: with its role tokens, past one 32-token block
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"{a}+{b}="},
+                    ],
+                    "answer": str(a + b),
+                }
+            )
+            + "\n"
+            for a in range(10)
+            for b in range(10)
+            if a + b <= 9
+        )
+    )
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'[producer]\ndataset = "{rows}"\nreward = "streamer.demo:reward"\nconcurrency = 8\n'
+        'max_new_tokens = 8\ninflight_updates = "keep"\n[trainer]\naudit_fraction = 0.5\n'
+    )
+    steps = 30
+    data = tmp_path / "data"
+    with Up(data, "--engine", "vllm", "--config", str(config), "--steps", str(steps)) as up:
+        code = up.proc.wait(timeout=START + RUN)
+    out = up.output()
+    assert code == 0 and f"steps trained      {steps}" in out, out[-3000:]
+    logs = data / "demo" / "logs"
+    train = (logs / "train.log").read_text()
+    assert "version stamps look wrong" not in train, train[-3000:]
+    audited = re.findall(r"version stamps audited.*?: ([\d,]+) tokens .*max gap (\S+) nats", train)
+    assert audited, f"the audit never reported:\n{train[-3000:]}"
+    assert sum(int(n.replace(",", "")) for n, _ in audited) > 100
+    assert max(float(gap) for _, gap in audited) < 1e-3, audited
+    engine_log = (logs / "engine.log").read_text()
+    assert "/pause?mode=keep" in engine_log and "reset_running_requests=true" in engine_log
