@@ -6,9 +6,9 @@
   that really sampled it, and a multi-turn episode can see a new version between two
   turns but never inside one. For a server, waiting for every request in flight would
   make each new version wait for the slowest episode (the synchronous barrier async
-  training removes), so loads only exclude each other and a completion is stamped with
-  the version loaded when its request started: the older one if the server switched
-  mid-request, which errs on the stale side for admission and the staleness window.
+  training removes), so loads only exclude each other; the server's own record of requests
+  in flight (:mod:`producers.reload`) decides what happens to them during an update and
+  stamps each token with the version that sampled it.
 - :func:`blocking`: run a blocking call (Redis, a local model, httpx) in a worker thread;
   cancelling the caller (a rollout timeout) abandons the thread's result instead of
   waiting for it.

@@ -12,8 +12,9 @@
 
 Every engine call first loads a newer policy if there is one (the claim's reply says so,
 else the policy stream is read), under the :class:`~producers.inflight.WeightGate`, and its
-completions are stamped with the version that sampled them: the turns of one episode may
-differ in version.
+completions are stamped with the version that sampled them: an in-process model's here, a
+server's token by token by the sampler (:mod:`producers.reload`). The turns of one episode,
+and the tokens of one turn, may differ in version.
 """
 
 from __future__ import annotations
