@@ -85,6 +85,7 @@ class WeightFollower:
                 lock_seconds=sampler.reload_deadline(),
                 flight_seconds=sampler.timeout * (sampler.retries + 1) + 10.0,
                 mode=inflight_updates,
+                who=who,
             )
             sampler.attach(self.shared)
 

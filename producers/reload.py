@@ -52,6 +52,7 @@ from contextlib import contextmanager
 
 import redis
 
+from streamer import problems
 from streamer.errors import SamplerError
 from streamer.keys import Keys
 
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 MODES = ("drain", "keep", "abort")
 POLL = 0.02  # seconds between looks at the update record (waiting flights, the watcher)
 SETTLE = 0.2  # seconds a paused stream must stay quiet before its old tokens are counted
+REPORT_AFTER = 30.0  # seconds a request waits for an update before `status` says so
 
 # KEYS: served ; ARGV: version -> the version now recorded (never lowered)
 _RAISE = """
@@ -135,11 +137,14 @@ class ServerVersions:
         flight_seconds: float | None = None,
         mode: str = "drain",
         poll: float = POLL,
+        who: str = "",
     ):
         if mode not in MODES:
             raise ValueError(f"inflight_updates {mode!r}: one of {', '.join(MODES)}")
         sid = server_id(url)
-        self.client, self.url, self.mode = client, url, mode
+        self.client, self.keys, self.url, self.mode = client, keys, url, mode
+        # in status's problems while its requests wait long for an update (the role's name + what)
+        self.who = f"{who} (engine update)" if who else ""
         self.served_key, self.lock_key = keys.served(sid), keys.reload_lock(sid)
         self.readers_key, self.update_key = keys.engine_readers(sid), keys.engine_update(sid)
         self.acks_key = keys.engine_acks(sid)
@@ -182,14 +187,22 @@ class ServerVersions:
     def flight(self) -> Iterator[Flight]:
         """Register one request for its duration; waits while an update is under way."""
         fid = f"{self.token}:{uuid.uuid4().hex[:12]}"
-        deadline = time.monotonic() + 2 * self.lock_seconds
+        start = time.monotonic()
+        reported = False
         while (version := int(self._board(keys=self._board_keys(), args=[fid, self._lease_ms()]))) < 0:
-            if time.monotonic() > deadline:
-                what = self.update_under_way()
+            waited = time.monotonic() - start
+            if waited > REPORT_AFTER and not reported and self.who:
+                what = f"{self.url}: requests held {waited:.0f}s by an update ({self.update_under_way()})"
+                problems.report(self.client, self.keys, self.who, what)
+                reported = True
+            if waited > 2 * self.lock_seconds:
                 raise SamplerError(
-                    f"{self.url}: an update ({what}) has held generation for over {2 * self.lock_seconds:.0f}s"
+                    f"{self.url}: an update ({self.update_under_way()}) has held generation for over "
+                    f"{2 * self.lock_seconds:.0f}s"
                 )
             time.sleep(self.poll)
+        if reported:
+            problems.clear(self.client, self.keys, self.who)
         flight = Flight(fid, version)
         with self._mu:
             self._flights[fid] = flight

@@ -11,11 +11,12 @@ import threading
 import pytest
 from waits import wait_until
 
-from producers import engines
+from producers import engines, reload
 from producers.fake_server import FakeCompletionsServer, canned
 from producers.reload import ServerVersions, server_id
 from producers.remote_sampler import RemoteSampler
 from producers.samplers import Completion
+from streamer import problems
 from streamer.errors import SamplerError
 
 TOKENS = list(range(1, 41))  # never a stop token: every completion is 40 tokens long
@@ -170,12 +171,15 @@ def test_a_failed_prefix_cache_reset_is_an_error_and_generation_resumes(client, 
             sampler.close()
 
 
-def test_an_update_that_never_ends_is_bounded_and_named(client, keys):
-    """A process that died mid-update leaves its record: requests wait for it to expire, and
-    past that say so (an engine outage, which status names) instead of waiting for ever."""
+def test_an_update_that_never_ends_is_bounded_and_named(client, keys, monkeypatch):
+    """A process that died mid-update leaves its record: requests wait for it to expire,
+    `status` names the wait, and past a bound they fail (an engine outage, which status
+    names too) instead of waiting for ever."""
+    monkeypatch.setattr(reload, "REPORT_AFTER", 0.05)
     with FakeCompletionsServer(canned(TOKENS)) as server:
         sampler = _sampler(server, client, keys, "drain")
-        sampler.server.lock_seconds = 0.2
+        sampler.server.lock_seconds = 0.5
+        sampler.server.who = "producer p (engine update)"
         client.set(keys.engine_update(server_id(server.url)), "keep:loaded:3")  # no expiry: a bad record
         try:
             with pytest.raises(
@@ -184,3 +188,5 @@ def test_an_update_that_never_ends_is_bounded_and_named(client, keys):
                 sampler.sample([1], n=1, temperature=1.0, top_p=1.0, max_new_tokens=4)
         finally:
             sampler.close()
+    said = problems.parse(client.hgetall(keys.problems))
+    assert "requests held" in said["producer p (engine update)"].what, said
