@@ -168,6 +168,8 @@ class Evaluator:
             version=version,
             concurrency=self.eval_cfg.batch_size,
         )
+        if episodes is not None:
+            _say_other_versions(episodes, version, spec.name)
         return [
             RowScores(
                 rewards=[e.reward for e in eps],
@@ -318,3 +320,26 @@ def main(cfg: RunConfig, args) -> int:
     finally:
         sampler.close()
         client.close()
+
+
+def _say_other_versions(episodes, version: int, name: str) -> None:
+    """Warn when tokens of an evaluation of ``version`` were sampled by other versions: a
+    server shared with producers moved on during it (the score mixes both)."""
+    tokens, other = 0, {}
+    for eps in episodes:
+        for e in eps:
+            for seg in e.segments:
+                if seg.sampled:
+                    tokens += len(seg.tokens)
+                    if seg.version != version:
+                        other[seg.version] = other.get(seg.version, 0) + len(seg.tokens)
+    if other:
+        log.warning(
+            "version %d, set %s: %d of %d sampled tokens came from version(s) %s (the shared server "
+            "moved on during the evaluation): its score mixes them",
+            version,
+            name,
+            sum(other.values()),
+            tokens,
+            ", ".join(map(str, sorted(other))),
+        )
