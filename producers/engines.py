@@ -104,6 +104,10 @@ class Engine:
         the HTTP status of a GET."""
         return "" if not self.follows_versions else "a way to pause generation"
 
+    def stream_fields(self, mode: str) -> dict:
+        """Request fields of a streamed request in ``mode`` (producers.streaming)."""
+        return {}
+
 
 class Vllm(Engine):
     name = "vllm"
@@ -139,6 +143,12 @@ class Vllm(Engine):
 
     def resume(self, post: Post) -> None:
         post("/resume", {})
+
+    def stream_fields(self, mode: str) -> dict:
+        # abort: tokens in chunks of 16 (a cut request loses at most the unsent ones, which its
+        # continuation samples again). keep: every token at once, or tokens the old weights
+        # sampled could wait in the server's buffer until after the resume
+        return {"stream_interval": 16} if mode == "abort" else {}
 
     def missing(self, get) -> str:
         status = get("/is_paused")

@@ -118,7 +118,7 @@ def _go_on(sampler, body: dict, run: _Run, budget: int) -> None:
 
 def _stream(sampler, body: dict) -> list[_Run]:
     """One streamed request, retried whole on transport errors, 429 and 5xx."""
-    body = {**body, "stream": True}
+    body = {**body, "stream": True, **sampler.engine.stream_fields(sampler.server.mode)}
     attempt = 0
     while True:
         runs = [_Run() for _ in range(int(body["n"]))]
