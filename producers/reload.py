@@ -86,17 +86,18 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 return tonumber(redis.call('GET', KEYS[3]) or '0')
 """
 
-# KEYS: readers, acks -> flights alive and flights alive that have not acknowledged
+# KEYS: readers, acks -> flights alive, alive and not acknowledged, alive and not streamed ("w:")
 _LEFT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local alive = redis.call('ZRANGE', KEYS[1], 0, -1)
-local unacked = 0
+local unacked, whole = 0, 0
 for _, id in ipairs(alive) do
   if redis.call('SISMEMBER', KEYS[2], id) == 0 then unacked = unacked + 1 end
+  if string.sub(id, 1, 2) == 'w:' then whole = whole + 1 end
 end
-return {#alive, unacked}
+return {#alive, unacked, whole}
 """
 
 
@@ -184,9 +185,12 @@ class ServerVersions:
     # ------------------------------------------------------------ flights
 
     @contextmanager
-    def flight(self) -> Iterator[Flight]:
-        """Register one request for its duration; waits while an update is under way."""
-        fid = f"{self.token}:{uuid.uuid4().hex[:12]}"
+    def flight(self, *, streamed: bool = True) -> Iterator[Flight]:
+        """Register one request for its duration; waits while an update is under way. A
+        request not ``streamed`` cannot tell where an update fell in it: a ``keep`` update
+        waits for it to end before pausing (a process in ``drain`` sharing the server with
+        one in ``keep``)."""
+        fid = f"{'s' if streamed else 'w'}:{self.token}:{uuid.uuid4().hex[:12]}"
         start = time.monotonic()
         reported = False
         while (version := int(self._board(keys=self._board_keys(), args=[fid, self._lease_ms()]))) < 0:
@@ -303,6 +307,8 @@ class ServerVersions:
         try:
             if mode in ("drain", "abort"):  # abort: the flights see the record and leave
                 self._wait_for(lambda: self._alive()[0] == 0, f"requests in flight to end ({mode})")
+            else:  # keep: requests that are not streamed end first
+                self._wait_for(lambda: self._alive()[2] == 0, "unstreamed requests in flight to end")
             engine.pause(mode)
             paused = True
             reload()
@@ -322,9 +328,9 @@ class ServerVersions:
     def _say(self, mode: str, state: str, version: int) -> None:
         self.client.set(self.update_key, f"{mode}:{state}:{version}", px=int(self.lock_seconds * 1000))
 
-    def _alive(self) -> tuple[int, int]:
-        alive, unacked = self._left(keys=[self.readers_key, self.acks_key])
-        return int(alive), int(unacked)
+    def _alive(self) -> tuple[int, int, int]:
+        alive, unacked, whole = self._left(keys=[self.readers_key, self.acks_key])
+        return int(alive), int(unacked), int(whole)
 
     def _wait_for(self, done: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.lock_seconds

@@ -105,7 +105,7 @@ class RemoteSampler:
             data = self._post("/v1/completions", body)
             return parse_completions(data, n=n, stop_ids=self.stop_ids)
         if self.server.mode == "drain":  # no request spans an update: its flight's version is exact
-            with self._slots, self.server.flight() as flight:
+            with self._slots, self.server.flight(streamed=False) as flight:
                 data = self._post("/v1/completions", body, slot=False)
             done = parse_completions(data, n=n, stop_ids=self.stop_ids)
             return [Completion(c.token_ids, c.logprobs, c.finish_reason, flight.version) for c in done]

@@ -91,6 +91,8 @@ def sample(sampler, body: dict) -> list[Completion]:
     """``body``'s ``n`` completions, streamed, each token stamped with its version."""
     n, budget = int(body["n"]), int(body["max_tokens"])
     runs = _stream(sampler, body)
+    if any(r.finish is None and not r.cut and not r.ids for r in runs):
+        raise SamplerError(f"{sampler.base_url}: a stream ended with no token and no finish reason")
     cut = [r for r in runs if _unfinished(r, budget)]
     if cut:
         with ThreadPoolExecutor(len(cut), thread_name_prefix="continue") as pool:
@@ -113,7 +115,10 @@ def _go_on(sampler, body: dict, run: _Run, budget: int) -> None:
         more = {**body, "prompt": [*body["prompt"], *run.ids], "n": 1, "max_tokens": budget - len(run.ids)}
         if "min_tokens" in body:  # vLLM's: counted from this request's first token
             more["min_tokens"] = max(0, int(body["min_tokens"]) - len(run.ids))
-        run.then(_stream(sampler, more)[0])
+        went_on = _stream(sampler, more)[0]
+        if not went_on.ids and not went_on.cut and went_on.finish is None:
+            raise SamplerError(f"{sampler.base_url}: a stream ended with no token and no finish reason")
+        run.then(went_on)
 
 
 def _stream(sampler, body: dict) -> list[_Run]:

@@ -1,7 +1,7 @@
 """Updates that land while requests are in flight (producers/reload.py, producers/streaming.py),
 against the project's test server modeling vLLM's and SGLang's pause controls: every token
 is stamped with the version that produced it, in each mode, from one process or two. The
-same against a real vLLM is tests/test_vllm_inflight.py."""
+same against a real vLLM is in tests/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -190,3 +190,18 @@ def test_an_update_that_never_ends_is_bounded_and_named(client, keys, monkeypatc
             sampler.close()
     said = problems.parse(client.hgetall(keys.problems))
     assert "requests held" in said["producer p (engine update)"].what, said
+
+
+def test_a_drain_process_and_a_keep_process_on_one_server_both_stamp_right(client, keys):
+    """Processes configured differently: the keep update waits for the drain process's
+    unstreamed requests to end before it pauses, and streams the rest."""
+    with FakeCompletionsServer(_going_on, latency=0.2, token_delay=0.01, mark_versions=True) as server:
+        keep = _sampler(server, client, keys, "keep", concurrency=4)
+        drain = _sampler(server, client, keys, "drain", concurrency=4)
+        try:
+            out = _run([keep, drain], server, requests=3)
+        finally:
+            keep.close()
+            drain.close()
+    spanning, _ = _assert_exact(out)
+    assert spanning > 0

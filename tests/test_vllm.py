@@ -3,24 +3,28 @@
 One server for the module, started on a free 127.0.0.1 port in a process group of its own
 and called ready once it completed a request (streamer/vllm_server.py). It serves the demo
 model in the shape vLLM's CPU attention accepts (demo.save_for_engine: head size 64,
-untied). Skipped where `python3 dev.py vllm` has not built the virtualenv; a failure
+untied), 512 positions long, in 32-token KV blocks. Skipped where `python3 dev.py vllm` has not built the virtualenv; a failure
 under CI, which builds it.
 """
 
 from __future__ import annotations
 
+import random
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from needs import need
 from trainer_data import model_logprobs, prompt_ids
+from waits import wait_until
 
 from consumers.batch import collate
 from consumers.learner import Learner
 from producers import engines
 from producers.follow import WeightFollower
+from producers.reload import ServerVersions, server_id
 from producers.remote_sampler import RemoteSampler
 from schemas import TrajectoryGroup, WeightSync
 from streamer import demo, lora, vllm_server, weights
@@ -35,6 +39,7 @@ pytestmark = pytest.mark.slow
 
 LORA = LoraSection(rank=4, alpha=8.0)
 TOL = 1e-4
+POSITIONS = 512  # long enough for the in-flight tests' prompts and completions
 PROMPTS = [prompt_ids(a, b) for a, b in ((1, 2), (3, 4), (7, 2), (0, 5))]
 
 
@@ -42,9 +47,9 @@ PROMPTS = [prompt_ids(a, b) for a, b in ((1, 2), (3, 4), (7, 2), (0, 5))]
 def vllm(tmp_path_factory):
     need(vllm_server.python() is not None, "no vLLM virtualenv (python3 dev.py vllm)")
     root = tmp_path_factory.mktemp("vllm")
-    model_dir = demo.save_for_engine(root / "model", seed=0)
+    model_dir = demo.save_for_engine(root / "model", seed=0, positions=POSITIONS)
     server = vllm_server.VllmServer(
-        model_dir, log_path=root / "vllm.log", port=free_port(), lora_rank=LORA.rank
+        model_dir, log_path=root / "vllm.log", port=free_port(), lora_rank=LORA.rank, max_model_len=POSITIONS
     )
     server.start()
     try:
@@ -62,7 +67,7 @@ def _sampler(vllm, **kwargs) -> RemoteSampler:
 
 
 def _model(seed: int):
-    return demo.build_model(seed, **demo.ENGINE_SIZE, tie=False).eval()
+    return demo.build_model(seed, **demo.ENGINE_SIZE, tie=False, positions=POSITIONS).eval()
 
 
 def _max_error(sampler: RemoteSampler, model, *, n: int = 4) -> float:
@@ -247,3 +252,108 @@ def test_vllm_evaluator_samples_through_the_engine_and_scores_what_a_local_model
             for row in task.rows
         ]
         assert events[version]["accuracy"] == pytest.approx(sum(right) / len(right)), version
+
+
+# requests in flight at a reload (producer.inflight_updates)
+NEW_TOKENS = 160  # long enough for a reload to land mid-request
+IN_FLIGHT = 8
+
+
+def _prompts() -> list[list[int]]:
+    """Two prompts sharing a 64-token prefix (2 KV blocks), each asked four times."""
+    tok = demo.tokenizer()
+    usable = [i for i in range(len(tok)) if i not in (tok.eos_token_id, tok.pad_token_id)]
+    rng = random.Random(0)
+    prefix = [rng.choice(usable) for _ in range(64)]
+    tails = [[rng.choice(usable) for _ in range(8)] for _ in range(2)]
+    return [prefix + tails[i % 2] for i in range(IN_FLIGHT)]
+
+
+def _tracked(server, client, keys, mode: str) -> RemoteSampler:
+    sampler = RemoteSampler(
+        base_url=server.url,
+        model=str(server.model_dir),
+        stop_ids=[],
+        engine=engines.Vllm(),
+        concurrency=IN_FLIGHT,
+        extra_body={"min_tokens": NEW_TOKENS},  # no early EOS: every request spans the reload
+    )
+    versions = ServerVersions(client, keys, server.url, lock_seconds=120, mode=mode)
+    client.set(keys.served(server_id(server.url)), 0)  # the start-up weights, version 0
+    sampler.attach(versions)
+    return sampler
+
+
+def _check_stamps(completions, prompts, models) -> set[int]:
+    """Every token's engine log-prob against its stamped version's; the versions seen."""
+    seen = set()
+    for prompt, cs in zip(prompts, completions, strict=True):
+        for c in cs:
+            assert len(c.token_ids) == NEW_TOKENS or c.finish_reason == "stop"
+            for a, b, v in c.runs():
+                seen.add(v)
+                local = model_logprobs(models[v], prompt + c.token_ids[:a], c.token_ids[a:b])
+                worst = max(abs(x - y) for x, y in zip(c.logprobs[a:b], local, strict=True))
+                assert worst <= TOL, f"tokens [{a}, {b}) stamped v{v} are off by {worst:.3g} nats"
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["drain", "keep", "abort"])
+def test_every_token_knows_the_version_that_sampled_it_with_requests_in_flight(
+    vllm, client, keys, tmp_path, mode
+):
+    """Eight concurrent requests of two long completions each, on prompts that share a prefix
+    of two KV blocks and repeat, with a new version loaded while they stream: every token's
+    engine log-prob equals a local forward pass of the version it is stamped with, and the
+    repeated prompts afterwards are the new version's (no prefix cache of the old weights)."""
+    sampler = _tracked(vllm, client, keys, mode)
+    old, new = 0, 1
+    models = {old: _model(0), new: _model(101)}
+    directory = weights.version_dir(tmp_path, new)
+    weights.write_version(models[new], tmp_path, new, untie=True)
+    prompts = _prompts()
+    out: list = [None] * len(prompts)
+
+    def ask(i: int) -> None:
+        try:
+            out[i] = sampler.sample(prompts[i], n=2, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS)
+        except Exception as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    try:
+        for t in threads:
+            t.start()
+        flights = sampler.server._flights
+        wait_until(lambda: len(flights) == len(prompts), timeout=60, what="every request in flight")
+        if mode != "drain":  # tokens are streaming in
+            wait_until(
+                lambda: all(f.chunks > 0 for f in list(flights.values())),
+                timeout=60,
+                what="tokens streaming",
+            )
+        sampler.server.ensure(new, lambda: sampler.reload(directory), engine=sampler)
+        for t in threads:
+            t.join(timeout=300)
+        assert all(isinstance(o, list) for o in out), out
+        seen = _check_stamps(out, prompts, models)
+        spanned = sum(c.switches is not None for cs in out for c in cs)
+        if mode == "drain":  # each request under one version: the one it started with
+            assert seen == {old} and spanned == 0
+        else:  # the reload landed mid-request: tokens of both versions, each stamped right
+            assert seen == {old, new} and spanned > 0, (seen, spanned)
+        # the same prompts again: the new version's, none of the old weights' prefix cache
+        sampler.extra_body = {}
+        again = [sampler.sample(p, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8) for p in prompts[:2]]
+        assert all(c.version == new and c.switches is None for cs in again for c in cs)
+        _check_stamps_short(again, prompts[:2], models[new])
+    finally:
+        sampler.close()
+        _restore(vllm, tmp_path)
+
+
+def _check_stamps_short(completions, prompts, model) -> None:
+    for prompt, cs in zip(prompts, completions, strict=True):
+        for c in cs:
+            local = model_logprobs(model, prompt, c.token_ids)
+            assert max(abs(x - y) for x, y in zip(c.logprobs, local, strict=True)) <= TOL
