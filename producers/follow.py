@@ -83,7 +83,6 @@ class WeightFollower:
                 keys,
                 url,
                 lock_seconds=sampler.reload_deadline(),
-                flight_seconds=sampler.timeout * (sampler.retries + 1) + 10.0,
                 mode=inflight_updates,
                 who=who,
             )

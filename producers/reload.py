@@ -34,8 +34,10 @@ Every process that samples from one server (producers, the evaluator) keeps one
   (:class:`~streamer.rollout.contract.Completion` ``switches``), and a sample's oldest
   token is its version for the staleness window.
 
-A process that died mid-request frees its flights when their leases run out; an update
-whose process died ends when its record expires. A request that waits longer than that for
+A process that died mid-request frees its flights when their leases run out
+(:data:`FLIGHT_LEASE`, renewed while the process lives); an update whose process died ends
+when its record expires. Releases and the end of an update are retried through a server
+failover. A request that waits longer than that for
 an update is an engine outage (``status`` names it), never a silent stall. LoRA adapter
 versions need none of this: each request names its adapter.
 """
@@ -53,7 +55,8 @@ from contextlib import contextmanager
 import redis
 
 from streamer import problems
-from streamer.errors import SamplerError
+from streamer.connection import retrying
+from streamer.errors import SamplerError, ServerError
 from streamer.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,9 @@ MODES = ("drain", "keep", "abort")
 POLL = 0.02  # seconds between looks at the update record (waiting flights, the watcher)
 SETTLE = 0.2  # seconds a paused stream must stay quiet before its old tokens are counted
 REPORT_AFTER = 30.0  # seconds a request waits for an update before `status` says so
+FLIGHT_LEASE = 30.0  # seconds a request's registration lives unless renewed (its process died)
+RENEW_EVERY = 5.0  # seconds between renewals of a process's registrations
+CLEANUP_WAIT = 60.0  # seconds a release or an update's end is retried through a server outage
 
 # KEYS: served ; ARGV: version -> the version now recorded (never lowered)
 _RAISE = """
@@ -76,14 +82,26 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: readers, update, served ; ARGV: flight id, lease ms -> the served version (0: none
-# recorded), or -1 while an update is under way (nothing registered)
+# KEYS: readers, update, served ; ARGV: flight id, lease ms, the version this process last
+# knew served -> the served version, or -1 while an update is under way (nothing registered).
+# No record (a server that lost its data): the caller's, written back for the others
 _BOARD = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-return tonumber(redis.call('GET', KEYS[3]) or '0')
+local served = redis.call('GET', KEYS[3])
+if served then return tonumber(served) end
+if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[3], ARGV[3]) end
+return tonumber(ARGV[3])
+"""
+
+# KEYS: readers ; ARGV: lease ms, flight ids -> their leases renewed (those still registered)
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), ARGV[i]) end
+return #ARGV - 1
 """
 
 # KEYS: readers, acks -> flights alive, alive and not acknowledged, alive and not streamed ("w:")
@@ -135,7 +153,7 @@ class ServerVersions:
         url: str,
         *,
         lock_seconds: float,
-        flight_seconds: float | None = None,
+        flight_seconds: float = FLIGHT_LEASE,
         mode: str = "drain",
         poll: float = POLL,
         who: str = "",
@@ -150,12 +168,14 @@ class ServerVersions:
         self.readers_key, self.update_key = keys.engine_readers(sid), keys.engine_update(sid)
         self.acks_key = keys.engine_acks(sid)
         self.lock_seconds, self.poll = lock_seconds, poll
-        self.flight_seconds = flight_seconds or lock_seconds  # a flight's lease
+        self.flight_seconds = flight_seconds  # a flight's lease, renewed while it lives
         self._raise = client.register_script(_RAISE)
         self._release = client.register_script(_RELEASE)
         self._board = client.register_script(_BOARD)
         self._left = client.register_script(_LEFT)
+        self._renew = client.register_script(_RENEW)
         self.reloads = 0  # reloads this process performed (the rest were someone else's)
+        self.known = 0  # the newest version this process knows the server served (0: start-up)
         self.last_stall = 0.0  # seconds the last update held generation
         # this process's lock token: a SET whose reply was lost (a server stalled, then
         # resumed) may still have taken the lock, and must not make us wait for ourselves
@@ -193,7 +213,8 @@ class ServerVersions:
         fid = f"{'s' if streamed else 'w'}:{self.token}:{uuid.uuid4().hex[:12]}"
         start = time.monotonic()
         reported = False
-        while (version := int(self._board(keys=self._board_keys(), args=[fid, self._lease_ms()]))) < 0:
+        board = [fid, self._lease_ms(), self.known]
+        while (version := int(self._board(keys=self._board_keys(), args=board))) < 0:
             waited = time.monotonic() - start
             if waited > REPORT_AFTER and not reported and self.who:
                 what = f"{self.url}: requests held {waited:.0f}s by an update ({self.update_under_way()})"
@@ -207,6 +228,7 @@ class ServerVersions:
             time.sleep(self.poll)
         if reported:
             problems.clear(self.client, self.keys, self.who)
+        self.known = max(self.known, version)
         flight = Flight(fid, version)
         with self._mu:
             self._flights[fid] = flight
@@ -217,10 +239,14 @@ class ServerVersions:
         finally:
             with self._mu:
                 self._flights.pop(fid, None)
-            try:
-                self.client.zrem(self.readers_key, fid)
-            except redis.exceptions.RedisError as e:  # its lease runs out instead
-                log.warning("could not release flight %s on %s: %s", fid, self.url, e)
+            try:  # through a failover too: an update waits for it until its lease runs out
+                retrying(
+                    lambda: self.client.zrem(self.readers_key, fid),
+                    what=f"releasing a request on {self.url}",
+                    give_up_after=CLEANUP_WAIT,
+                )
+            except (redis.exceptions.RedisError, ServerError) as e:  # its lease runs out instead
+                log.warning("could not release request %s on %s: %s", fid, self.url, e)
 
     def _board_keys(self) -> list[str]:
         return [self.readers_key, self.update_key, self.served_key]
@@ -234,19 +260,22 @@ class ServerVersions:
             self._watcher.start()
 
     def _watch(self) -> None:
-        """While flights are out: see an update under way and do this process's part of it."""
+        """While flights are out: renew their leases, see an update under way and do this
+        process's part of it."""
+        renewed = time.monotonic()
         while not self._closed:
             with self._mu:
                 while not self._flights and not self._closed:
                     self._mu.wait(1.0)
                 flights = list(self._flights.values())
             try:
-                update = self.update_under_way()
-            except (redis.exceptions.RedisError, ValueError) as e:
-                log.warning("cannot read the update record of %s: %s", self.url, e)
-                update = None
-            if update is not None:
-                self._take_part(update, flights)
+                if time.monotonic() - renewed > RENEW_EVERY and flights:
+                    self._renew(keys=[self.readers_key], args=[self._lease_ms(), *(f.id for f in flights)])
+                    renewed = time.monotonic()
+                if (update := self.update_under_way()) is not None:
+                    self._take_part(update, flights)
+            except (redis.exceptions.RedisError, ValueError) as e:  # the next look tries again
+                log.warning("cannot take part in the update of %s: %s", self.url, e)
             time.sleep(self.poll)
 
     def _take_part(self, update: tuple[str, str, int], flights: list[Flight]) -> None:
@@ -289,6 +318,7 @@ class ServerVersions:
                         self.reloads += 1
                         served = int(self._raise(keys=[self.served_key], args=[version]))
                         log.info("reloaded %s to version %d for every process sharing it", self.url, version)
+                    self.known = max(self.known, served)
                     return served
                 finally:
                     self._release(keys=[self.lock_key], args=[self.token])
@@ -297,6 +327,7 @@ class ServerVersions:
                     f"{self.url}: no producer confirmed version {version} within {2 * self.lock_seconds:.0f}s"
                 )
             time.sleep(self.poll)  # another process is updating: wait for its record
+        self.known = max(self.known, served)
         return served
 
     def _update(self, version: int, reload: Callable[[], None], engine) -> None:
@@ -318,8 +349,12 @@ class ServerVersions:
                 self._wait_for(lambda: self._alive()[1] == 0, "requests in flight to count their tokens")
             self._raise(keys=[self.served_key], args=[version])  # before anything samples again
         finally:
-            try:
-                self.client.delete(self.update_key, self.acks_key)
+            try:  # through a failover too: requests wait for this record until it expires
+                retrying(
+                    lambda: self.client.delete(self.update_key, self.acks_key),
+                    what=f"ending the update of {self.url}",
+                    give_up_after=CLEANUP_WAIT,
+                )
             finally:
                 if paused:
                     engine.resume()

@@ -205,3 +205,18 @@ def test_a_drain_process_and_a_keep_process_on_one_server_both_stamp_right(clien
             drain.close()
     spanning, _ = _assert_exact(out)
     assert spanning > 0
+
+
+def test_a_server_that_lost_the_record_stamps_the_version_this_process_knew(client, keys):
+    """The Redis server lost its data (the served record with it): requests are stamped with
+    the newest version this process saw served, not 0, and the record is written back."""
+    with FakeCompletionsServer(canned(TOKENS), mark_versions=True) as server:
+        sampler = _sampler(server, client, keys, "drain")
+        try:
+            sampler.server.ensure(1, lambda: sampler.reload("/weights/v1"), engine=sampler)
+            client.delete(sampler.server.served_key)
+            (c,) = sampler.sample(PROMPT, n=1, temperature=1.0, top_p=1.0, max_new_tokens=40)
+        finally:
+            sampler.close()
+    assert c.version == 1 and {_version_of(lp) for lp in c.logprobs} == {1}
+    assert sampler.server.served() == 1
