@@ -87,8 +87,6 @@ class Engine:
         _check_success(answer, directory)
 
     # the in-flight protocol (producers.reload): what the server does around a reload
-    pause_modes: tuple[str, ...] = ()  # producer.inflight_updates it can pause for itself
-
     def pause(self, post: Post, mode: str) -> None:
         """Hold generation for an update in ``mode`` (here: nothing; requests were drained or cut
         by their clients, and keep was refused at start)."""
@@ -113,7 +111,6 @@ class Vllm(Engine):
     name = "vllm"
     follows_versions = True
     lora_load, lora_unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
-    pause_modes = ("drain", "keep", "abort")
     RESET_TRIES = 5  # a reset fails while a request holds KV blocks; paused, none should
 
     def reload(self, post: Post, directory: Path) -> None:
@@ -161,7 +158,6 @@ class Sglang(Engine):
     name = "sglang"
     follows_versions = True
     lora_load, lora_unload = "/load_lora_adapter", "/unload_lora_adapter"
-    pause_modes = ("drain", "keep", "abort")
 
     def __init__(self, *, reload_endpoint: str = "", lora_endpoint: str = ""):
         super().__init__(
