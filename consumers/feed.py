@@ -57,6 +57,7 @@ from streamer.config import BusSection
 from streamer.connection import retrying
 from streamer.errors import StreamerError
 from streamer.keys import TRAINER_GROUP, Keys
+from streamer.values import wrong_type
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,10 @@ class Feeder:
         self._error: BaseException | None = None
         self._last_touch = time.monotonic()
         self._last_trim, self._untrimmed = 0.0, False
+        # finishing (the producers are done): a read begun after finish() that came back empty
+        # means every entry has arrived; the groups left then make one last, smaller batch
+        self._finishing, self._finish_seq, self._all_read = False, 0, False
+        self._building = False  # groups taken from the buffer are being collated
         self._thread = threading.Thread(target=self._run, name="trainer-feed", daemon=True)
 
     # ------------------------------------------------------------ the step loop's side
@@ -184,7 +189,7 @@ class Feeder:
                 self._cond.wait_for(lambda: self._ready is not None or self._error is not None, timeout)
             finally:
                 self._wanted = False
-            if isinstance(self._error, StreamerError):  # a clear reason: the CLI's one line
+            if isinstance(self._error, StreamerError | redis.exceptions.ResponseError):  # the CLI's one line
                 raise self._error
             if self._error is not None:
                 raise RuntimeError("trajectory feed failed") from self._error
@@ -231,6 +236,30 @@ class Feeder:
             give_up_after=give_up_after,
         )
 
+    def finish(self) -> None:
+        """No more groups are coming (the producers are done): once a read finds nothing
+        new, batch what is left, fewer than ``groups_per_step`` groups included."""
+        with self._cond:
+            if not self._finishing:
+                self._finishing, self._all_read = True, False
+                self._finish_seq += 1
+                self._cond.notify_all()
+
+    @property
+    def finishing(self) -> bool:
+        return self._finishing
+
+    def drained(self) -> bool:
+        """Finishing, every entry read, and every group handed to the step loop."""
+        with self._cond:
+            return (
+                self._finishing
+                and self._all_read
+                and not self._buffer
+                and self._ready is None
+                and not self._building
+            )
+
     def give_back(self, entries: list[tuple[str, TrajectoryGroup]]) -> None:
         """Return accepted groups to the queue, to be batched again before anything newer."""
         with self._cond:
@@ -240,6 +269,16 @@ class Feeder:
             self._merge(entries)
             self._generation += 1
             self._cond.notify_all()
+
+    def dead_letter(self, ready: Ready, reason: str) -> None:
+        """A step that changed no weights: its groups are dead-lettered with ``reason`` (not
+        trained: `streamer dead --replay` sends them again), their slots given back."""
+        ids = ready.entry_ids
+        retrying(
+            lambda: self.consumer.dead_letter(ids, reason), what="dead-lettering a skipped step's groups"
+        )
+        with self._cond:
+            self._owned.difference_update(ids)
 
     def reject(self, rejected: list[tuple[str, str]]) -> None:
         """Acknowledge (entry id, reason) pairs, count the reasons and release their
@@ -292,7 +331,8 @@ class Feeder:
                     self._gather()
                     self._pull()
         except BaseException as e:  # surfaced to the step loop by next()
-            if isinstance(e, StreamerError):
+            e = wrong_type(self.consumer.client, self.consumer.keys.types(), e) or e  # named
+            if isinstance(e, StreamerError | redis.exceptions.ResponseError):  # one line, no trace
                 log.error("trajectory feed stopped: %s", e)
             else:
                 log.exception("trajectory feed failed")
@@ -302,9 +342,13 @@ class Feeder:
 
     def _take_batch_groups(self) -> tuple[int, list[tuple[str, TrajectoryGroup]]] | None:
         with self._cond:
-            if self._ready is not None or len(self._buffer) < self.groups_per_step:
+            n = self.groups_per_step
+            if self._finishing and self._all_read:  # the last groups there will be
+                n = min(n, len(self._buffer))
+            if self._ready is not None or not n or len(self._buffer) < n:
                 return None
-            return self._generation, [self._buffer.popleft() for _ in range(self.groups_per_step)]
+            self._building = True
+            return self._generation, [self._buffer.popleft() for _ in range(n)]
 
     def _has_enough(self) -> bool:
         with self._cond:
@@ -312,10 +356,16 @@ class Feeder:
 
     def _build(self, generation: int, entries: list[tuple[str, TrajectoryGroup]]) -> None:
         groups = [g for _, g in entries]
-        batch = self.collate(groups)
-        if self.pin_memory:
-            batch = batch.pin_memory()
+        try:
+            batch = self.collate(groups)
+            if self.pin_memory:
+                batch = batch.pin_memory()
+        except BaseException:
+            with self._cond:
+                self._building = False
+            raise
         with self._cond:
+            self._building = False
             if generation != self._generation:  # older groups came back meanwhile
                 self._merge(entries)
                 return
@@ -336,6 +386,7 @@ class Feeder:
     def _pull(self) -> None:
         with self._cond:
             need = max(self.groups_per_step - len(self._buffer), 1)
+            seq = self._finish_seq
         deliveries = retrying(
             lambda: self.consumer.read(count=need, block=self.block_seconds), what="reading trajectories"
         )
@@ -353,6 +404,8 @@ class Feeder:
         with self._cond:
             self._merge(accepted)
             self._owned.update(entry_id for entry_id, _ in accepted)
+            if self._finishing and seq == self._finish_seq:  # a read begun after finish()
+                self._all_read = not deliveries
 
     def _is_owned(self, entry_id: str) -> bool:
         with self._cond:

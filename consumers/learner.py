@@ -246,9 +246,10 @@ class Learner:
                 group["lr"] = lr
             for k, v in self._update(local, whole=mb).items():
                 totals[k] = max(totals.get(k, 0.0), v) if k == "is_weight_max" else totals.get(k, 0.0) + v
-        self.step += 1
-        self.gather()
         n = len(minibatches)
+        if totals.get("optimizer_steps_skipped", 0.0) < n:  # else no weights changed: no step
+            self.step += 1
+        self.gather()
         kept = ("is_weight_max", "optimizer_steps_skipped")  # a max and a count, not means
         metrics = {k: (v if k in kept else v / n) for k, v in totals.items()}
         metrics.update(entropy=entropy, lr=lr, tokens=float(batch.num_tokens), **self.phases)

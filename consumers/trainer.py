@@ -16,15 +16,23 @@ owns every trajectory entry's bookkeeping). Then, per step:
         entries near half of bus.max_unacked): checkpoint, then the feed XACKs what it covers and trims
     publish the step's train metrics
 
+A step whose every optimizer update was skipped (a non-finite gradient) changed no
+weights: it is no step (no version, the step counter stays), its groups are dead-lettered
+with the reason, and ``trainer.max_skipped_steps`` of them in a row stop the trainer with
+one line naming the cause.
+
 SIGTERM/SIGINT: the current step finishes, a final checkpoint covers what was trained,
-exit 0. A crash loses at most the steps since the last checkpoint: their entries are still
-pending, so they are trained again after the restart, exactly once into the persisted model.
+exit 0. SIGUSR1 (`streamer up` sends it when its producers are done): every group that has
+arrived is trained (the last ones in a smaller batch), then the same stop. A crash loses at
+most the steps since the last checkpoint: their entries are still pending, so they are
+trained again after the restart, exactly once into the persisted model.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import threading
 import time
@@ -43,11 +51,12 @@ from consumers.lineage import Lineage
 from consumers.versions import VersionPublisher
 from schemas import MetricsEvent
 from schemas.metric_names import REJECT_REASONS, TOKENS_BEHIND
-from streamer import lifecycle, position, rundir
+from streamer import lifecycle, position, problems, rundir
 from streamer.admission import Admission
 from streamer.bus import Publisher
 from streamer.config import RunConfig
 from streamer.connection import connect, retrying
+from streamer.errors import StreamerError
 from streamer.keys import ARCHIVE_GROUP, Keys
 from streamer.trainer_lease import TrainerLease
 from streamer.values import check_types
@@ -75,9 +84,14 @@ class Trainer:
         dp: DataParallel | None = None,
         from_initial_weights: bool = False,
         lease: TrainerLease | None = None,
+        finishing: threading.Event | None = None,
     ):
         self.cfg, self.trainer_cfg, self.client, self.keys = cfg, cfg.trainer, client, keys
         self.learner, self.stop, self.name = learner, stop, name
+        self.finishing = finishing  # set: no more groups are coming; train what arrived, then stop
+        self.finished = False  # stopped because every group that arrived was trained
+        self.steps_skipped = self.skipped_in_a_row = 0  # steps that changed no weights
+        self.failure = ""  # why the trainer must stop (too many skipped steps)
         self.dp = dp  # under torchrun: this is rank 0, the other ranks follow its batches
         # no checkpoint although the server records one: start from the initial weights anyway
         self.from_initial_weights = from_initial_weights
@@ -140,6 +154,7 @@ class Trainer:
         self.versions.publish_now(self.learner.publishable, version=self.version, step=self.step)
         self.lineage.add(self.version, self.step)
         self._state("running")
+        problems.clear(self.client, self.keys, "trainer")  # what stopped a trainer before is history
         log.info("policy version %d at step %d (%s)", self.version, self.step, self.parent or "initial")
         tc = self.trainer_cfg
         self.admission.publish_limits(max_staleness=tc.max_staleness, groups_per_step=tc.groups_per_step)
@@ -191,7 +206,13 @@ class Trainer:
             retrying(self.start, what="starting the trainer")  # a restart mid-start: again, a new version
             try:
                 for ready in self.feed.batches(
-                    until=lambda: self.stop.is_set() or self._done() or self._fenced()
+                    until=lambda: (
+                        self.stop.is_set()
+                        or self._done()
+                        or self._fenced()
+                        or bool(self.failure)
+                        or self._finished()
+                    )
                 ):
                     self._step(ready)
             finally:
@@ -213,6 +234,11 @@ class Trainer:
             raise
         if summary := self.auditor.summary():
             log.info("%s", summary)
+        if self.failure:
+            problems.report(self.client, self.keys, "trainer", self.failure)
+            raise StreamerError(self.failure)
+        if self.finished:
+            log.info("the producers are done and every group that arrived is trained or set aside")
         log.info("stopped at step %d, version %d", self.step, self.version)
         return 0
 
@@ -222,6 +248,16 @@ class Trainer:
     def _done(self) -> bool:
         return self.trainer_cfg.steps > 0 and self.step >= self.trainer_cfg.steps
 
+    def _finished(self) -> bool:
+        """Told that no more groups are coming, and every one that came is handed out."""
+        if self.finishing is None or not self.finishing.is_set():
+            return False
+        if not self.feed.finishing:
+            log.info("no more groups are coming: training every group that arrived, then stopping")
+        self.feed.finish()
+        self.finished = self.feed.drained()
+        return self.finished
+
     def _step(self, ready: Ready) -> None:
         """Train one batch, publish the next version, checkpoint when due, report."""
         lags = [self.lineage.staleness(g) for g in ready.groups]
@@ -229,7 +265,12 @@ class Trainer:
         t0 = time.monotonic()
         if self.dp:
             self.dp.send_batch(ready.batch)
+        before = self.learner.step
         stats = self.learner.train_step(ready.batch)
+        if self.learner.step == before:  # every update skipped: no weights changed
+            self._skipped(ready, stats)
+            return
+        self.skipped_in_a_row = 0
         step_seconds = time.monotonic() - t0
         self.feed.trained(ready)
         audited = self.auditor.audit(ready.groups, step=self.step)
@@ -256,6 +297,8 @@ class Trainer:
             "version": float(self.version),
             "weight_sync_seconds": self.versions.last_seconds,
             "groups_accepted": float(len(ready.groups)),
+            "steps_skipped": 0.0,
+            "groups_skipped": 0.0,
             **audited,
             **{f"tokens_behind_{k}": float(behind.get(int(k), 0)) for k in TOKENS_BEHIND[:-1]},
             "tokens_behind_3_or_more": float(sum(n for d, n in behind.items() if d >= 3)),
@@ -279,6 +322,35 @@ class Trainer:
             blocked,
         )
 
+    def _skipped(self, ready: Ready, stats: dict[str, float]) -> None:
+        """A step whose every update was skipped: its groups are not trained (dead letters),
+        it is counted, and too many in a row stop the trainer."""
+        self.steps_skipped += 1
+        self.skipped_in_a_row += 1
+        why = f"the gradient was not finite (loss {stats['loss']:.4g}, grad norm {stats['grad_norm']:.4g})"
+        self.feed.dead_letter(ready, f"trainer step skipped: {why}")
+        retrying(
+            lambda: self.client.hincrby(self.keys.run_marker, "steps_skipped", 1),
+            what="counting a skipped step",
+        )
+        counts = {"steps_skipped": 1.0, "groups_skipped": float(len(ready.groups))}
+        counts["optimizer_steps_skipped"] = stats["optimizer_steps_skipped"]
+        self._publish_metrics(counts)
+        log.warning(
+            "step skipped (%d in a row, %d in all): %s; its %d groups are dead letters, no weights changed",
+            self.skipped_in_a_row,
+            self.steps_skipped,
+            why,
+            len(ready.groups),
+        )
+        limit = self.trainer_cfg.max_skipped_steps
+        if limit and self.skipped_in_a_row >= limit:
+            self.failure = (
+                f"{self.skipped_in_a_row} trainer steps in a row were skipped (trainer.max_skipped_steps = "
+                f"{limit}): {why}, so no weights changed after step {self.step}. Check trainer.loss, "
+                "trainer.lr and model.dtype; `streamer dead --replay` sends the skipped groups again"
+            )
+
     # ------------------------------------------------------------ outputs
 
     def _check_mismatch(self, values: dict[str, float]) -> None:
@@ -301,10 +373,28 @@ class Trainer:
         event = MetricsEvent(axis="train", step=self.step, values=values, source="trainer")
         retrying(lambda: self.publisher.publish(self.keys.metrics, event), what="publishing metrics")
 
+    def _cursor_check(self) -> None:
+        """The cursor never goes back: one behind the last checkpoint's (deleted, overwritten)
+        would hand out rows again that were trained. Put it forward, and say so."""
+        saved = self.data_position
+        try:
+            behind = position.lost(self.client, self.keys, saved)
+        except ValueError:  # not a number: the producers' claims name it
+            return
+        if behind:
+            log.warning(
+                "the dataset cursor %s is behind the last checkpoint's (%d): deleted or overwritten; "
+                "put forward again (rows from it were handed out already)",
+                self.keys.cursor,
+                saved.cursor,
+            )
+            position.restore(self.client, self.keys, position.DataPosition(cursor=saved.cursor))
+
     def checkpoint(self) -> None:
         """Persist what was trained, then acknowledge the entries it covers."""
         self.versions.drain()  # its version is published before a checkpoint names it
         covered = self.feed.covered()
+        retrying(self._cursor_check, what="checking the dataset cursor", give_up_after=self.give_up_after)
         data = position.read(self.client, self.keys, give_up_after=self.give_up_after)
         if self.dp:  # every rank takes part in gathering the optimizer state (sharded)
             self.dp.send_checkpoint()
@@ -319,6 +409,7 @@ class Trainer:
             data=data,
         )
         self.parent, self.checkpointed_version, self.checkpointed_step = meta.name, meta.version, meta.step
+        self.data_position = data or self.data_position
         self.feed.checkpointed(covered, give_up_after=self.give_up_after)
         retrying(  # a trainer that finds no checkpoint knows whether the run has one
             lambda: resume.record_checkpoint(self.client, self.keys, meta.name),
@@ -338,9 +429,11 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     nproc = getattr(args, "nproc", 1) or 1
     if nproc > 1 and distributed.world()[1] == 1:  # `--nproc N` outside torchrun: start it
         distributed.launch(nproc, distributed.without_nproc(sys.argv[1:]))
-    stop = threading.Event()
+    stop, finishing = threading.Event(), threading.Event()
     doing = "finishing the current step, then a final checkpoint"
     previous = lifecycle.on_stop_signals(stop, "trainer", doing, orphan_grace=lifecycle.TRAINER_ORPHAN_GRACE)
+    # `up`, when its producers are done: train every group that arrived, then stop
+    finish_handler = signal.signal(signal.SIGUSR1, lambda *_: finishing.set())
     _quiet_transformers()
     dp: DataParallel | None = None
     try:
@@ -376,6 +469,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
                 dp=dp,
                 from_initial_weights=getattr(args, "from_initial_weights", False),
                 lease=lease,
+                finishing=finishing,
             )
             code = trainer.run()
             if dp is not None:  # the followers were told to stop: leave together
@@ -385,7 +479,7 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
             lease.give_back()
             lock.release()
     finally:
-        lifecycle.restore_signals(previous)
+        lifecycle.restore_signals({**previous, signal.SIGUSR1: finish_handler})
         if dp is not None:
             dp.close()
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from redis.exceptions import ResponseError
 
 from schemas import WeightSync, encode
 from streamer import pieces, weights
@@ -32,6 +33,7 @@ from streamer.config import BusSection
 from streamer.connection import replicated, retrying
 from streamer.errors import StreamerError
 from streamer.keys import Keys
+from streamer.values import wrong_type
 from streamer.weights import WeightsCopy
 
 log = logging.getLogger(__name__)
@@ -205,7 +207,8 @@ class VersionPublisher:
                     if own:
                         self._spare = copy  # written and announced: the next snapshot's memory
             except BaseException as e:  # surfaced by the next submit/drain
-                if isinstance(e, StreamerError):  # a clear reason (disk full ...): one line
+                e = wrong_type(self.client, self.keys.types(), e) or e  # a key of another type, named
+                if isinstance(e, StreamerError | ResponseError):  # a clear reason (disk full ...): one line
                     log.error("publishing version %d failed: %s", version, e)
                 else:
                     log.exception("publishing version %d failed", version)
@@ -256,7 +259,7 @@ class VersionPublisher:
         self.last_seconds = time.monotonic() - start
 
     def _raise_if_failed(self) -> None:
-        if isinstance(self._error, StreamerError):  # the CLI prints it as one line, exit 1
+        if isinstance(self._error, StreamerError | ResponseError):  # the CLI prints it as one line, exit 1
             raise StreamerError(f"publishing a policy version failed: {self._error}") from self._error
         if self._error is not None:
             raise RuntimeError("publishing a policy version failed") from self._error

@@ -106,6 +106,7 @@ ROWS: dict[str, dict[str, PanelSpec]] = {  # time series
                 r.replace("_", " "): rate(f"streamer_train_groups_rejected_{r}_total") for r in REJECT_REASONS
             },
             "optimizer steps skipped": rate("streamer_train_optimizer_steps_skipped_total"),
+            "groups of skipped steps": rate("streamer_train_groups_skipped_total"),
         },
         "Staleness (versions)": {
             "mean": "streamer_train_staleness_mean",

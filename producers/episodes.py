@@ -4,11 +4,12 @@ A rollout function is user code: whatever it returns is untrusted until
 :func:`to_samples` has checked it. An episode that is malformed (segment lengths differ,
 loss weight on tokens it did not sample, token ids that are not integers inside the
 vocabulary, a version that is not an integer between 0 and the newest published one,
-log-probs that are NaN, infinite or positive, a reward that is not a finite number) or
-longer than ``max_seq_len`` raises :class:`EpisodeRejected` with a reason from
-:data:`REASONS`; the producer counts it and the episode never reaches the trainer. A
-log-prob up to :data:`LOGPROB_TOLERANCE` above 0 is an engine's rounding (p = 1 in float
-arithmetic), trained as 0.
+log-probs that are NaN, infinite or positive, a reward that is not a finite number),
+longer than ``max_seq_len``, or of more than ``max_forks`` forks (each fork is one more
+sample of the group, so the forks of one episode could make a group of any size) raises
+:class:`EpisodeRejected` with a reason from :data:`REASONS`; the producer counts it and
+the episode never reaches the trainer. A log-prob up to :data:`LOGPROB_TOLERANCE` above 0
+is an engine's rounding (p = 1 in float arithmetic), trained as 0.
 """
 
 from __future__ import annotations
@@ -28,25 +29,20 @@ from streamer.rollout.contract import Episode, Segment
 REASONS = EPISODE_DROP_REASONS
 LOGPROB_TOLERANCE = 1e-4  # a log-prob this far above 0 is float error (p = 1), trained as 0
 MAX_VERSION = 2**63 - 1  # the wire's version field is an int64
+MAX_FORKS = 64  # producer.max_forks' default
 FLOAT32_MAX = float(np.finfo(LOGPROB_DTYPE).max)  # a log-prob past it is sent as inf
 
 
 def check_group(
-    episodes: list, *, vocab_size: int, max_seq_len: int, max_version: int
+    episodes: list, *, vocab_size: int, max_seq_len: int, max_version: int, max_forks: int
 ) -> tuple[list[tuple[list[Sample], Episode]], list[EpisodeRejected]]:
     """(its samples, the episode) of each episode that passes :func:`to_samples`, numbered by
     its place in ``episodes``, and why each of the others did not."""
     good, rejected = [], []
+    check = dict(vocab_size=vocab_size, max_seq_len=max_seq_len, max_version=max_version, max_forks=max_forks)
     for i, e in enumerate(episodes):
         try:
-            good.append(
-                (
-                    to_samples(
-                        e, vocab_size=vocab_size, max_seq_len=max_seq_len, max_version=max_version, index=i
-                    ),
-                    e,
-                )
-            )
+            good.append((to_samples(e, **check, index=i), e))
         except EpisodeRejected as err:
             rejected.append(err)
     return good, rejected
@@ -59,16 +55,29 @@ def vocab_size(tokenizer, sampler) -> int:
 
 
 def to_samples(
-    episode: Episode, *, vocab_size: int, max_seq_len: int = 0, max_version: int = MAX_VERSION, index: int = 0
+    episode: Episode,
+    *,
+    vocab_size: int,
+    max_seq_len: int = 0,
+    max_version: int = MAX_VERSION,
+    max_forks: int = MAX_FORKS,
+    index: int = 0,
 ) -> list[Sample]:
     """The wire form of a checked episode: one sample per piece (its forks, then the last),
     numbered ``index`` when there are several; :class:`EpisodeRejected` says what is wrong,
-    and in which piece. One bad piece rejects the whole episode."""
+    and in which piece. One bad piece, or more than ``max_forks`` forks, rejects the whole
+    episode."""
     if not isinstance(episode, Episode):
         raise EpisodeRejected("malformed", f"rollout returned {type(episode).__name__}, not an Episode")
     check = dict(vocab_size=vocab_size, max_seq_len=max_seq_len, max_version=max_version)
     if not isinstance(episode.forks, (list, tuple)):
         raise EpisodeRejected("malformed", f"forks is {type(episode.forks).__name__}, not a list of pieces")
+    if len(episode.forks) > max_forks:
+        raise EpisodeRejected(
+            "too_many_forks",
+            f"{len(episode.forks)} forks > producer.max_forks {max_forks} "
+            f"(the episode would be {len(episode.forks) + 1} samples)",
+        )
     if not episode.forks:
         return [to_sample(episode, **check)]
     pieces = [*episode.forks, episode.segments]

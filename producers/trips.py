@@ -27,8 +27,8 @@ import redis
 from producers.dataset import Order
 from producers.stats import Pending
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, encode
-from streamer import rows
-from streamer.admission import NO_ROOM, Admission, Claim, Leases, Published
+from streamer import position, rows
+from streamer.admission import AGAIN, NO_ROOM, Admission, Claim, Leases, Published
 from streamer.bus import Publisher, unacked
 from streamer.config import RunConfig
 from streamer.connection import replicated
@@ -96,6 +96,7 @@ class Trips:
         self.source = f"producer-{producer_id}"
         self.defers = self.leases.rule.on  # rows that teach nothing step aside
         self.cursor = -1  # the ticket cursor the last claim saw: where the next window starts
+        self.cursor_high = 0  # the furthest cursor any claim saw: the cursor never goes back
         self.rows = rows.RowCounts(order.n_rows, 0, 0)  # as the last reply said
         self.newest: WeightSync | None = None  # the newest policy, as the last claim said
         self.fresh = False  # ... and no engine call has used that news yet
@@ -107,8 +108,12 @@ class Trips:
             if self.cursor < 0:  # the first claim: where the cursor stands
                 self.cursor = parse_int(self.client.get(self.keys.cursor), self.keys.cursor, default=0)
             window = (self.cursor, self.order.window(self.cursor, WINDOW))
+        floor = self.cursor_high  # the server's cursor was at least this when the claim was sent
         claim = self.leases.claim_admit(self.admission, known_policy=self.tail.last_id, window=window)
+        if claim.cursor < floor:  # (claims of other rows in flight may answer in any order)
+            claim = self._cursor_went_back(claim, floor)
         self.cursor = claim.cursor
+        self.cursor_high = max(self.cursor_high, claim.cursor)
         if claim.policy_fields is not None:
             self.newest = self.tail.take(claim.policy_id, claim.policy_fields)
         elif claim.policy_id is None:
@@ -119,6 +124,23 @@ class Trips:
         for row in claim.corrupt_rows:
             log.warning("row %s: its record on the server was missing or unreadable; treated as new", row)
         return claim
+
+    def _cursor_went_back(self, claim: Claim, floor: int) -> Claim:
+        """The cursor is behind one this producer saw (deleted or overwritten): the tickets
+        from it were handed out before, so their rows would be sampled and trained twice. Put
+        it forward again; a new ticket this claim took from it ends unworked."""
+        log.warning(
+            "the dataset cursor %s went back from %d to %d (deleted or overwritten): put forward again; "
+            "rows from it were handed out already",
+            self.keys.cursor,
+            floor,
+            claim.cursor,
+        )
+        position.restore(self.client, self.keys, position.DataPosition(cursor=self.cursor_high))
+        if claim.ticket >= 0 and claim.ticket == claim.cursor - 1:  # new, not a requeued one
+            self.leases.finish(claim.ticket)
+            return claim._replace(ticket=AGAIN, cursor=self.cursor_high)
+        return claim._replace(cursor=self.cursor_high)
 
     def policy_news(self) -> tuple[bool, WeightSync | None]:
         """(True, the newest policy) once after each claim; (False, None) when it must be read."""
@@ -201,6 +223,11 @@ class Trips:
             self.send_metrics({})
         except redis.exceptions.RedisError as e:
             log.warning("could not publish pending rollout counters: %s", e)
+
+    def exhausted(self) -> None:
+        """Every ticket of the configured epochs is claimed and finished: say so on the server
+        (for `streamer status` and `up`) at the cursor the last claim saw."""
+        rows.exhausted(self.client, self.keys, self.cursor)
 
     def nothing_to_teach(self) -> bool:
         """Nothing is left to teach: say so in a metric, once; True that once."""

@@ -13,7 +13,16 @@ from typing import Literal
 Kind = Literal["gauge", "counter"]
 
 # why a producer dropped an episode (see producers.episodes.REASONS)
-EPISODE_DROP_REASONS = ("error", "timeout", "malformed", "bad_token", "bad_logprob", "too_long", "bad_reward")
+EPISODE_DROP_REASONS = (
+    "error",
+    "timeout",
+    "malformed",
+    "bad_token",
+    "bad_logprob",
+    "too_long",
+    "too_many_forks",
+    "bad_reward",
+)
 # how many versions behind the trained policy a trained token's sampling version was
 TOKENS_BEHIND = ("0", "1", "2", "3_or_more")
 REJECT_REASONS = ("stale", "zero_variance", "too_few_samples", "overlong", "user_filter", "too_long")
@@ -66,6 +75,8 @@ TRAIN = _axis(
     counters={
         "groups_accepted": "groups trained",
         "optimizer_steps_skipped": "optimizer steps skipped for a non-finite gradient",
+        "steps_skipped": "trainer steps that changed no weights: every update's gradient was not finite",
+        "groups_skipped": "groups of skipped trainer steps (dead-lettered, not trained)",
         "tokens": "trained tokens",
         "audit_groups": "groups re-scored under their stamped versions",
         "audit_tokens": "sampled tokens re-scored under their stamped versions",

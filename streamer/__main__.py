@@ -1,5 +1,24 @@
+"""`python -m streamer` and the `streamer` command: the command line (:mod:`streamer.cli`).
+
+Ctrl-C counts from this file's first line, not only once the command line is imported (a
+noticeable fraction of a second): a SIGINT during the imports exits 130 like one later, and
+a process started with SIGINT ignored (a shell script's background job) takes it as well,
+as every role and `up` do once running. Only the interpreter's own start comes before this.
+"""
+
+import signal
 import sys
 
-from streamer.cli import main
 
-sys.exit(main())
+def run() -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        from streamer.cli import main
+
+        return main()
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -69,7 +69,7 @@ from streamer.errors import LeaseLost
 from streamer.keys import TRAINER_GROUP, Keys
 from streamer.rows import NEVER, Rule
 from streamer.stamp import Stamped
-from streamer.values import DataError
+from streamer.values import DataError, wrong_type
 
 EXHAUSTED = -1  # every ticket of the configured epochs is claimed and no lease is open
 WAIT = -2  # no ticket now, but open leases may still expire and be re-issued
@@ -98,8 +98,8 @@ class Admission:
             granted = int(self._script(keys=keys, args=args))
         except TRANSIENT:  # a cluster that is down answers CLUSTERDOWN, a ResponseError too
             raise
-        except redis.exceptions.ResponseError as e:  # a counter or limit that is not a number
-            raise DataError(f"admission: {e}") from None
+        except redis.exceptions.ResponseError as e:  # not a number, or a key of another type
+            raise DataError(f"admission: {wrong_type(self.client, self.keys.types(), e) or e}") from None
         if granted < 0:
             raise LeaseLost(f"the lease on ticket {ticket} is no longer {owner}'s")
         return granted > 0
@@ -269,8 +269,8 @@ class Leases:
             )
         except TRANSIENT:  # a cluster that is down answers CLUSTERDOWN, a ResponseError too
             raise
-        except redis.exceptions.ResponseError as e:  # the cursor is not a number
-            raise DataError(f"claiming a row: {e}") from None
+        except redis.exceptions.ResponseError as e:  # the cursor is not a number, a key of another type
+            raise DataError(f"claiming a row: {wrong_type(self.client, k.types(), e) or e}") from None
         ticket, granted, cursor, passed, solved, unsolvable, policy_id, fields, *corrupt = reply
         if isinstance(granted, bytes):  # the lease is ours; the admission counters are broken
             self.hand_back(int(ticket))
@@ -316,7 +316,7 @@ class Leases:
         except TRANSIENT:
             raise
         except redis.exceptions.ResponseError as e:  # checked before anything is written
-            raise DataError(f"publishing: {e}") from None
+            raise DataError(f"publishing: {wrong_type(self.client, k.types(), e) or e}") from None
         if reply[0] == 0:
             return None
         if reply[0] == 2:

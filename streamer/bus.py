@@ -302,6 +302,15 @@ class Consumer(Generic[T]):
         )
         return {as_str(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
+    def dead_letter(self, ids: list[str], reason: str) -> None:
+        """Dead-letter delivered entries with ``reason`` (their payloads as the stream holds
+        them), acknowledged in the same transaction."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(self.stream, entry_id, entry_id)
+        found = [rows[0][1] if rows else {} for rows in pipe.execute()]
+        self._dead_letter([(i, f.get(FIELD, b""), reason) for i, f in zip(ids, found, strict=True)])
+
     def _dead_letter(self, dead: list[tuple[str, bytes, str]]) -> None:
         pipe = self.client.pipeline(transaction=True)
         for entry_id, payload, reason in dead:
@@ -340,17 +349,7 @@ def trim_acked(client: redis.Redis, stream: str, *, max_lag: dict[str, int] | No
     if not groups:
         return 0
     max_lag = max_lag or {}
-    cuts: dict[str, tuple[int, int]] = {}
-    for g in groups:
-        name = as_str(g["name"])
-        # the pending list may empty between XINFO and XPENDING (a consumer acknowledging):
-        # then nothing up to the last-delivered id XINFO saw is pending any more
-        oldest = client.xpending(stream, name)["min"] if int(g["pending"]) > 0 else None
-        if oldest is not None:
-            cuts[name] = parse_id(as_str(oldest))
-        else:
-            ms, seq = parse_id(as_str(g["last-delivered-id"]))
-            cuts[name] = (ms, seq + 1)
+    cuts = {as_str(g["name"]): _needed_from(client, stream, g) for g in groups}
     strict = [c for n, c in cuts.items() if n not in max_lag]
     if strict:
         bound = min(strict)
@@ -361,6 +360,36 @@ def trim_acked(client: redis.Redis, stream: str, *, max_lag: dict[str, int] | No
     if (ms, seq) <= (0, 1):
         return 0
     return int(client.xtrim(stream, minid=f"{ms}-{seq}", approximate=False))
+
+
+def hold_back(
+    client: redis.Redis, stream: str, cut: tuple[int, int], group: str, limit: int
+) -> tuple[int, int]:
+    """``cut`` (a trim's MINID), moved back to the oldest entry ``group`` still needs, by at
+    most ``limit`` entries; ``cut`` itself when the stream has no such group."""
+    try:
+        groups = client.xinfo_groups(stream)
+    except TRANSIENT:
+        raise
+    except redis.exceptions.ResponseError:
+        return cut
+    for g in groups:
+        if as_str(g["name"]) == group:
+            needed = _needed_from(client, stream, g)
+            return cut if needed >= cut else _lag_bound(client, stream, group, needed, cut, limit)
+    return cut
+
+
+def _needed_from(client: redis.Redis, stream: str, g: dict) -> tuple[int, int]:
+    """The oldest entry of ``stream`` that group ``g`` (an XINFO GROUPS row) still needs: its
+    oldest pending entry, or the one after its last-delivered id."""
+    # the pending list may empty between XINFO and XPENDING (a consumer acknowledging):
+    # then nothing up to the last-delivered id XINFO saw is pending any more
+    oldest = client.xpending(stream, as_str(g["name"]))["min"] if int(g["pending"]) > 0 else None
+    if oldest is not None:
+        return parse_id(as_str(oldest))
+    ms, seq = parse_id(as_str(g["last-delivered-id"]))
+    return ms, seq + 1
 
 
 def _lag_bound(client, stream: str, group: str, cut: tuple[int, int], bound: tuple[int, int], limit: int):

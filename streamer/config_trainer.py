@@ -62,6 +62,9 @@ class TrainerSection(Section):
     min_lr_ratio: Fraction = 0.0  # the decayed LR's floor, as a fraction of lr
     weight_decay: NonNegFloat = 0.01  # AdamW weight decay
     grad_clip: PosFloat = 1.0  # max global grad norm
+    max_skipped_steps: NonNegInt = (
+        10  # steps in a row with every update skipped (non-finite gradient) that stop the trainer; 0 = never
+    )
     ppo_minibatches: PosInt = 1  # optimizer steps per trainer step (the batch split in row slices)
     eps_low: NonNegFloat = 0.2  # PPO clip: ratio >= 1 - eps_low
     eps_high: NonNegFloat = 0.2  # PPO clip: ratio <= 1 + eps_high

@@ -12,6 +12,7 @@ from typing import TypeVar
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from streamer.config import BusSection
@@ -69,9 +70,28 @@ def redact(url: str, text: str | None = None) -> str:
 
 def _encoding_hint(url: str) -> str:
     userinfo = url.partition("://")[2].rpartition("@")[0]
-    if any(c in userinfo.partition(":")[2] for c in "#/?@"):
-        return "; a password with '#', '/', '?' or '@' must be percent-encoded (%23 %2F %3F %40)"
+    if any(c in userinfo.partition(":")[2] for c in "#/?@[]"):
+        return (
+            "; a password with '#', '/', '?', '@', '[' or ']' must be percent-encoded "
+            "(%23 %2F %3F %40 %5B %5D)"
+        )
     return ""
+
+
+def _unusable(url: str, e: ValueError) -> ConfigError:
+    why = _encoding_hint(url) or f": {e}"  # the parser's message may quote a piece of the password
+    return ConfigError(redact(url, f"redis URL {url!r} cannot be used{why}"))
+
+
+def _cluster_error(url: str, e: RedisClusterException) -> ServerError:
+    """What made a cluster client fail as it read the topology from the URL's seed node."""
+    cause = e.__cause__
+    if isinstance(cause, redis.exceptions.AuthenticationError):
+        return ServerError(redact(url, f"{url}: authentication failed ({cause})"))
+    if isinstance(cause, (*TRANSIENT, OSError)):  # no seed node answered
+        return ServerError(redact(url, f"cannot reach the server at {url}: {cause}"))
+    # e.g. "Cluster mode is not enabled on this node": the seed is a server of its own
+    return ServerError(redact(url, f"{url}: {cause if isinstance(cause, RedisClusterException) else e}"))
 
 
 def connect(
@@ -80,15 +100,22 @@ def connect(
     socket_timeout: float = 10.0,
     name: str | None = None,
     check: bool = True,
+    max_connections: int | None = None,
 ) -> redis.Redis:
     """A client for ``url`` (redis://, rediss://, unix://, with user:password if any).
 
-    ``socket_timeout`` must exceed the longest BLOCK the caller uses. Transient errors are
-    retried a bounded number of times with jittered exponential backoff; longer outages
-    are the caller's to wait out (see :func:`retrying`). With ``check``, the server is
-    pinged and its version checked, raising :class:`ServerError` with one clear line.
+    ``socket_timeout`` must exceed the longest BLOCK the caller uses. ``max_connections``:
+    commands the client may have in flight at once, from as many threads (None: redis-py's
+    default, 100 on recent versions; past it a command fails with "Too many connections").
+    Transient errors are retried a bounded number of times with jittered exponential
+    backoff; longer outages are the caller's to wait out (see :func:`retrying`). With
+    ``check``, the server is pinged and its version checked, raising :class:`ServerError`
+    with one clear line.
     """
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as e:  # an unclosed '[', a bracketed host that is no IPv6 address
+        raise _unusable(url, e) from None
     cluster = parts.scheme in CLUSTER_SCHEMES
     if parts.scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
         raise ConfigError(
@@ -102,6 +129,8 @@ def connect(
         raise ConfigError(redact(url, f"redis URL {url!r} has no host{_encoding_hint(url)}"))
     if parts.scheme == "unix" and not parts.path:
         raise ConfigError(redact(url, f"redis URL {url!r} has no socket path"))
+    if cluster and parts.path.strip("/") not in ("", "0"):
+        raise ConfigError(redact(url, f"redis URL {url!r}: a cluster has only database 0"))
     try:
         client = (RedisCluster if cluster else redis.Redis).from_url(
             url.replace("+cluster://", "://", 1) if cluster else url,
@@ -112,10 +141,12 @@ def connect(
             health_check_interval=30,
             client_name=name,
             protocol=2,  # RESP2 on every redis-py version and server (the shapes we parse)
+            **({"max_connections": max_connections} if max_connections else {}),
         )
     except ValueError as e:
-        why = _encoding_hint(url) or f": {e}"  # the parser's message may quote a piece of the password
-        raise ConfigError(redact(url, f"redis URL {url!r} cannot be used{why}")) from None
+        raise _unusable(url, e) from None
+    except RedisClusterException as e:  # a cluster client reads the topology as it is made
+        raise _cluster_error(url, e) from None
     if check:
         check_server(client, url)
     return client

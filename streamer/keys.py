@@ -16,6 +16,7 @@ _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 TRAINER_GROUP = "trainer"
 METRICS_GROUP = "metrics"  # the exporter's group on the metrics stream
 ARCHIVE_GROUP = "archive"  # the rollout archiver on traj; trimming passes it past archive.max_lag
+TRACKING_GROUP = "tracking"  # the tracker on metrics; the exporter's trim passes it past tracking.max_lag
 
 
 class Keys:
@@ -44,7 +45,7 @@ class Keys:
 
     @property
     def metrics(self) -> str:
-        return self._k("metrics")  # MetricsEvent, read by group "metrics"
+        return self._k("metrics")  # MetricsEvent, read by groups "metrics" and "tracking"
 
     @property
     def dead(self) -> str:
@@ -110,6 +111,16 @@ class Keys:
     @property
     def last_look(self) -> str:
         return self._k("last_look")  # INT: the ticket the last look at every (solved) row ends at
+
+    @property
+    def rows_settings(self) -> str:
+        return self._k("rows_settings")  # STRING: JSON of the settings the row records were made under
+
+    @property
+    def data_end(self) -> str:
+        # INT: the cursor at which a producer found every ticket of its epochs claimed and
+        # finished; the data is exhausted while the cursor still equals it (streamer/rows.py)
+        return self._k("data_end")
 
     @property
     def row_count(self) -> str:
@@ -189,13 +200,16 @@ class Keys:
         kinds = {
             "stream": (self.traj, self.policy, self.metrics, self.dead),
             "string": (
+                self.metrics_snapshot,
                 *(self.cursor, self.admitted, self.version, self.rollout_step),
                 *(self.replicated, self.trainer_fence, self.row_count, self.last_look, self.row_credit),
+                self.data_end,
+                self.rows_settings,
             ),
             "hash": (
                 *(self.lease_owner, self.row_attempts, self.row_errors, self.skipped_rows),
                 *(self.limits, self.rejected_since_step, self.run_marker, self.replayed, self.trainer_lease),
-                self.rows,
+                *(self.rows, self.problems),
             ),
             "set": (self.lease_slots, self.held_slots, self.rows_solved, self.rows_unsolvable),
             "zset": (self.leases, self.producers),

@@ -205,6 +205,11 @@ class Child:
             self._signal(signal.SIGKILL)
             return self.proc.wait()
 
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` if it still runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self._signal(sig)
+
     def kill(self) -> None:
         """SIGKILL now (the second signal): the last checkpoint stays the resume point."""
         if self.proc is not None and self.proc.poll() is None:

@@ -40,10 +40,18 @@ none of those groups taught anything, nothing is left that can teach: the claim 
 the producers stop, and `streamer status` and `streamer up` say it. A record that is
 missing (a row in a set without one) or not a record is forgotten: the row is treated as
 new (never skipped for ever) and the producer logs one warning.
+
+A row's outcomes depend on the settings that sample and score it (:func:`outcome_settings`:
+the model, the dataset, the sampling, the rollout and the reward). Producers record them
+(``…:rows_settings``); a producer that starts with other settings forgets every record, so
+rows set aside under a broken config (a temperature of 1e-30, a reward that always fails)
+come back when it is fixed. ``streamer rows reset`` (``up --reset-rows``) forgets them by
+hand. Neither touches checkpoints, versions or the dataset position.
 """
 
 from __future__ import annotations
 
+import json
 from typing import NamedTuple
 
 import redis
@@ -237,6 +245,7 @@ class RowCounts(NamedTuple):
     solved: int
     unsolvable: int
     looked: bool = False  # the last look at every row, all solved, is over (none of it taught)
+    exhausted: bool = False  # every ticket of the producers' epochs is claimed and finished
 
     @property
     def active(self) -> int:
@@ -255,14 +264,26 @@ def counts(client: redis.Redis, keys: Keys) -> RowCounts:
     pipe.scard(keys.rows_solved)
     pipe.scard(keys.rows_unsolvable)
     pipe.zcard(keys.leases)
+    pipe.get(keys.data_end)
+    pipe.llen(keys.requeue)
     return from_replies(*pipe.execute())
 
 
-def from_replies(total, look_ends, cursor, solved, unsolvable, leases) -> RowCounts:
-    """The counts from GET row_count, last_look, cursor; SCARD of the two sets; ZCARD leases."""
-    total, look_ends, cursor = (_int(x) for x in (total, look_ends, cursor))
+def from_replies(
+    total, look_ends, cursor, solved, unsolvable, leases, data_end=None, requeued=0
+) -> RowCounts:
+    """The counts from GET row_count, last_look, cursor; SCARD of the two sets; ZCARD leases;
+    GET data_end; LLEN requeue."""
+    total, look_ends, cursor, data_end = (_int(x) for x in (total, look_ends, cursor, data_end))
     looked = look_ends is not None and (cursor or 0) >= look_ends and not leases
-    return RowCounts(total or 0, int(solved), int(unsolvable), looked)
+    # a producer found no ticket left at this cursor; none was taken since, none is out
+    exhausted = data_end is not None and data_end == (cursor or 0) and not leases and not requeued
+    return RowCounts(total or 0, int(solved), int(unsolvable), looked, exhausted)
+
+
+def exhausted(client: redis.Redis, keys: Keys, cursor: int) -> None:
+    """A producer's claim found every ticket of its epochs claimed and finished at ``cursor``."""
+    client.set(keys.data_end, cursor)
 
 
 def _int(raw) -> int | None:
@@ -270,3 +291,71 @@ def _int(raw) -> int | None:
         return int(raw)
     except (TypeError, ValueError):
         return None
+
+
+# Forgets every row record when the outcome settings differ from the recorded ones.
+# KEYS: rows_settings rows rows_solved rows_unsolvable last_look row_credit ; ARGV: settings
+# Returns {rows set aside that were forgotten, the settings recorded before (false: none)}.
+_SETTINGS = """
+local old = redis.call('GET', KEYS[1])
+if old == ARGV[1] then return {0, false} end
+redis.call('SET', KEYS[1], ARGV[1])
+if not old then return {0, false} end
+local n = redis.call('SCARD', KEYS[3]) + redis.call('SCARD', KEYS[4])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+return {n, old}
+"""
+
+
+def outcome_settings(cfg) -> dict:
+    """The settings a row's outcomes depend on (a :class:`~streamer.config.RunConfig`)."""
+    p, judge = cfg.producer, cfg.reward.judge
+    return {
+        "model": cfg.model.name_or_path,
+        "dataset": p.dataset,
+        # the mix numbers rows across its sources: other sources, other rows under those numbers
+        **(
+            {"sources": [[s.path, s.split, s.name] for s in cfg.dataset.sources]}
+            if cfg.dataset.sources
+            else {}
+        ),
+        "group_size": p.group_size,
+        "max_new_tokens": p.max_new_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "rollout": p.rollout,
+        "reward": p.reward,
+        **({"judge": [judge.url, judge.kind, judge.model, judge.template]} if p.reward == "judge" else {}),
+    }
+
+
+def _keys_of_records(keys: Keys) -> list[str]:
+    return [keys.rows, keys.rows_solved, keys.rows_unsolvable, keys.last_look, keys.row_credit]
+
+
+def settle_settings(client: redis.Redis, keys: Keys, settings: dict) -> tuple[int, list[str]]:
+    """Record ``settings``; when others were recorded, forget every row record (rows set
+    aside come back). Returns (rows set aside brought back, the settings that changed)."""
+    raw = json.dumps(settings, sort_keys=True)
+    n, old = client.eval(_SETTINGS, 6, keys.rows_settings, *_keys_of_records(keys), raw)
+    if not old:
+        return 0, []
+    try:
+        before = json.loads(old)
+    except ValueError:
+        before = {}
+    if not isinstance(before, dict):
+        before = {}
+    changed = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in settings.items() if before.get(k) != v]
+    return int(n), changed or ["unreadable record"]
+
+
+def reset(client: redis.Redis, keys: Keys) -> int:
+    """Forget every row record: rows set aside (solved or unsolvable) are active again; how
+    many were set aside."""
+    pipe = client.pipeline(transaction=True)
+    pipe.scard(keys.rows_solved)
+    pipe.scard(keys.rows_unsolvable)
+    pipe.delete(*_keys_of_records(keys))
+    solved, unsolvable, _ = pipe.execute()
+    return int(solved) + int(unsolvable)

@@ -2,11 +2,15 @@
 
 A counter an operator set by hand, a key of the wrong type, a field a bug wrote: each
 becomes one :class:`DataError` line that says which key holds what, instead of a
-traceback from ``int()`` deep inside a role.
+traceback from ``int()`` deep inside a role. A key that changes type while a role runs
+gets a WRONGTYPE reply that names no key: :func:`wrong_type` finds and names it.
 """
 
 from __future__ import annotations
 
+import redis
+
+from streamer.connection import TRANSIENT
 from streamer.errors import DataError
 
 
@@ -40,3 +44,18 @@ def check_types(client, types: dict[str, str]) -> None:
             raise DataError(
                 f"{key} is a {got}, where this run keeps a {want}; fix or delete the key (`DEL {key}`)"
             )
+
+
+def wrong_type(client, types: dict[str, str], error: BaseException) -> DataError | None:
+    """For a command the server refused (WRONGTYPE, or a blocked read whose stream was
+    replaced), the DataError :func:`check_types` raises for the first key of ``types`` that
+    holds another type now; None for any other error, or when every key has its type."""
+    if not isinstance(error, redis.exceptions.ResponseError) or isinstance(error, TRANSIENT):
+        return None
+    try:
+        check_types(client, types)
+    except DataError as named:
+        return named
+    except redis.exceptions.RedisError:  # the server cannot say now: the refusal stands as it is
+        pass
+    return None

@@ -93,6 +93,8 @@ EXPECTED = {
     ("streamer_train_groups_rejected_stale_total", ()): 1,
     **{(f"streamer_train_groups_rejected_{r}_total", ()): 0 for r in REJECTED_ZERO},
     ("streamer_train_optimizer_steps_skipped_total", ()): 0,
+    ("streamer_train_steps_skipped_total", ()): 0,
+    ("streamer_train_groups_skipped_total", ()): 0,
     **{
         (f"streamer_train_{n}_total", ()): 0
         for n in ("audit_groups", "audit_tokens", "audit_tokens_unauditable")

@@ -15,7 +15,10 @@ import redis
 
 from streamer import demo
 from streamer.config import URL_ENV, RunConfig, load_config, replace
+from streamer.connection import connect
 from streamer.errors import ConfigError, StreamerError
+from streamer.keys import Keys
+from streamer.values import wrong_type
 
 log = logging.getLogger("streamer")
 
@@ -28,8 +31,10 @@ ROLES = {
     "metrics": "consumers.exporter:main",
     "status": "streamer.cli.status:main",
     "archive": "consumers.archive:main",
+    "track": "consumers.tracker:main",
     "samples": "streamer.cli.samples:samples_main",
     "dead": "streamer.cli.samples:dead_main",
+    "rows": "streamer.cli.rows:main",
     "plot": "streamer.cli.plot:main",
     "smoke": "streamer.cli.smoke:main",
 }
@@ -43,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     def role(name: str, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help)
         sp.add_argument("--config", help="TOML run config (default: the built-in demo)")
-        sp.add_argument("--task", help="a built-in task instead of a config: retry, tools")
+        sp.add_argument(
+            "--task", help="a built-in task instead of a config: retry, tools, reasoning_gym:NAME"
+        )
         sp.add_argument(
             "--redis-url", help=f"override run.redis_url (${URL_ENV} too; keeps a password off argv)"
         )
@@ -59,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="producer processes (default: one per core beside the trainer's, 1 to 4)",
     )
     up.add_argument("--fresh", action="store_true", help="discard the previous run's state")
+    up.add_argument(
+        "--reset-rows",
+        action="store_true",
+        help="bring back the rows set aside as solved or unsolvable (keeps checkpoints)",
+    )
     up.add_argument("--no-progress", action="store_true", help="no live progress view")
     up.add_argument(
         "--until-eval", type=float, metavar="ACC", help="stop once eval accuracy reaches ACC (early stop)"
@@ -87,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = role("status", "streams, lag, versions, producers, dead letters of a run")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     role("archive", "the rollout archiver (groups as text under the run's data dir)")
+    role("track", "experiment tracking: the run's metrics into TensorBoard or W&B (tracking.backend)")
     sa = role("samples", "recent rollouts of a run, as text, from its archive")
     sa.add_argument("--last", type=int, default=5, help="groups to print (default 5)")
     sa.add_argument("--min-reward", type=float, help="only completions with reward >= this")
@@ -94,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     de = role("dead", "dead letters of a run, with their reasons")
     de.add_argument("--last", type=int, default=20, help="newest dead letters to list (default 20)")
     de.add_argument("--replay", metavar="ID", help="re-publish this dead letter to its stream")
+    ro = role("rows", "dataset rows active / set aside; `rows reset` brings the set-aside ones back")
+    ro.add_argument("action", nargs="?", choices=("show", "reset"), default="show")
     pl = role("plot", "a PNG of the run: reward/accuracy per version, loss/staleness per step")
     pl.add_argument("--out", help="PNG path (default {data_dir}/{run}/run.png)")
     role("smoke", "a round trip of every event type through an embedded server")
@@ -146,6 +161,19 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
+def _refusal(cfg: RunConfig, e: redis.exceptions.ResponseError) -> str:
+    """What the server refused; a key of the run that holds another type is named (the
+    server's WRONGTYPE does not say which)."""
+    if cfg.run.redis_url:
+        try:
+            client = connect(cfg.run.redis_url, socket_timeout=cfg.bus.socket_timeout, check=False)
+            if named := wrong_type(client, Keys(cfg.run.name).types(), e):
+                return str(named)
+        except (StreamerError, redis.exceptions.RedisError):
+            pass
+    return f"the server refused a command on this run's keys: {e}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -177,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamer {args.cmd}: {e}", file=sys.stderr)
         return 1
     except redis.exceptions.ResponseError as e:  # e.g. WRONGTYPE: a key of the run was overwritten
-        print(f"streamer {args.cmd}: the server refused a command on this run's keys: {e}", file=sys.stderr)
+        print(f"streamer {args.cmd}: {_refusal(cfg, e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

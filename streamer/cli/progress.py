@@ -16,6 +16,7 @@ import time
 from collections import deque
 
 from schemas import MetricsEvent
+from streamer import rows
 from streamer.bus import unacked
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect
@@ -33,6 +34,7 @@ THRESHOLD = 0.8  # the demo's goal for the moving reward and eval accuracy
 class Progress:
     def __init__(self, cfg: RunConfig, *, target_steps: int, live: bool = True, started: float | None = None):
         self.keys = Keys(cfg.run.name)
+        self.producer_cfg = cfg.producer
         self.client = connect(cfg.run.redis_url, socket_timeout=cfg.bus.socket_timeout)
         self.target_steps = target_steps
         self.live = live and sys.stdout.isatty()
@@ -48,6 +50,8 @@ class Progress:
         self.started = time.monotonic() if started is None else started  # `up` began
         self.reached: dict[str, float] = {}  # "reward"/"eval" -> seconds to reach THRESHOLD
         self.nothing_to_teach = False  # every row set aside: nothing left to teach
+        self.ended = ""  # why the producers finished before the trainer's steps ("": they did not)
+        self.counts = rows.RowCounts(0, 0, 0)  # the rows, when the producers finished
 
     @property
     def train_step(self) -> int:
@@ -87,6 +91,45 @@ class Progress:
             if (h.eval_accuracy or 0.0) >= THRESHOLD:
                 self.reached.setdefault("eval", time.monotonic() - self.started)
         self._rate.append((time.monotonic(), h.groups))
+
+    def why_producers_stopped(self) -> str:
+        """Why every producer finished, as the server says."""
+        try:
+            self.counts = c = rows.counts(self.client, self.keys)
+        except TRANSIENT:
+            return "the producers finished"
+        if c.nothing_to_teach or self.nothing_to_teach:
+            return (
+                f"every row is set aside ({c.solved} solved, {c.unsolvable} unsolvable of {c.total}): "
+                "nothing left to teach"
+            )
+        if c.exhausted:
+            epochs = self.producer_cfg.epochs
+            return f"the data is exhausted: every row of producer.epochs = {epochs} is sampled"
+        if self.producer_cfg.max_groups:
+            return f"the producers published producer.max_groups = {self.producer_cfg.max_groups} groups each"
+        return "the producers finished"
+
+    def way_on(self) -> str:
+        """What to do about a run that trained nothing."""
+        out = []
+        if self.history.steps_skipped:
+            out.append(
+                f"{self.history.steps_skipped} steps were skipped: the gradient was not finite (trainer.log)."
+            )
+        c = self.counts
+        if c.nothing_to_teach and c.unsolvable:
+            out.append(
+                "Rows set aside come back by themselves when the sampling or reward config changes, "
+                "or with `streamer rows reset` (or `streamer up --reset-rows`)."
+            )
+        elif c.nothing_to_teach:
+            out.append("Every row is solved: `streamer rows reset` brings them back.")
+        elif c.exhausted:
+            out.append("Raise producer.epochs to sample the rows again.")
+        else:
+            out.append("Every group was rejected or dead-lettered: `streamer status` says why.")
+        return " ".join(out)
 
     def reached_eval(self, target: float | None) -> bool:
         """Eval accuracy is at ``target`` or above (never, for None)."""
@@ -139,12 +182,15 @@ class Progress:
 
     def summary(self, elapsed: float, weights_dir) -> str:
         self.update()
+        if self.target_steps and self.train_step >= self.target_steps:
+            self.ended = ""  # the trainer reached its steps as the producers finished
         reward = self.reward()
         first = self.history.first_reward
         lines = [
             "",
             "streamer up: summary",
-            f"  steps trained      {self.train_step}",
+            f"  steps trained      {self.train_step}" + self._skipped(),
+            *([f"  ended              {self.ended}"] if self.ended else []),
             f"  policy version     {_v(self.version())}",
             f"  rollout reward     {_f(first)} -> {_f(reward)} (mean of the first/last {WINDOW} groups)",
             f"  eval accuracy      {_f(self.eval_acc)} (version {self.eval_step})",
@@ -156,6 +202,10 @@ class Progress:
             f"  weights            {weights_dir}",
         ]
         return "\n".join(lines)
+
+    def _skipped(self) -> str:
+        n = self.history.steps_skipped
+        return f" ({n} skipped: no weights changed, gradient not finite)" if n else ""
 
     def _other_sets(self) -> list[str]:
         """A summary line per eval set besides the headline one: its last mean@k and pass@k."""

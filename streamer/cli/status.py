@@ -35,6 +35,11 @@ def render(snap: Snapshot) -> str:
         )
     else:
         lines.append("policy      no version published yet")
+    if snap.steps_skipped:
+        lines.append(
+            f"skipped     {snap.steps_skipped} trainer steps changed no weights (gradient not finite); "
+            "their groups are dead letters"
+        )
     limit = "" if snap.admission_limit is None else f" of {snap.admission_limit}"
     lines.append(
         f"admission   {snap.admitted}{limit} slots held; {snap.waiting_groups} groups wait for the trainer"
@@ -74,6 +79,15 @@ def render(snap: Snapshot) -> str:
         lines.append("STALLED: " + "; ".join(snap.reasons))
     elif snap.nothing_to_teach:
         lines.append("status      done: nothing left to teach (every row is set aside)")
+    elif snap.data_exhausted:
+        what = (
+            f"{snap.waiting_groups} groups still wait for the trainer"
+            if snap.waiting_groups
+            else "all trained"
+        )
+        lines.append(
+            f"status      done: the data is exhausted (every row of producer.epochs is sampled; {what})"
+        )
     else:
         lines.append("status      ok")
     return "\n".join(lines)

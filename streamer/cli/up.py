@@ -27,13 +27,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
+from streamer import rows
 from streamer.cli import plot
 from streamer.cli.progress import Progress
 from streamer.config import URL_ENV, RunConfig, replace
 from streamer.connection import connect, redact
 from streamer.errors import ConfigError
 from streamer.keys import Keys
-from streamer.lifecycle import Child, QuietStdout
+from streamer.lifecycle import Child, QuietStdout, restore_signals
 from streamer.rundir import (
     ENGINE_CONFIG,
     ENGINE_MODEL,
@@ -48,6 +51,7 @@ from streamer.rundir import (
     trainer_lock,
 )
 from streamer.server import EmbeddedServer, free_port
+from streamer.values import check_types, wrong_type
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +65,7 @@ class Stack:
     children: dict[str, Child] = field(default_factory=dict)
     server: EmbeddedServer | None = None
 
-    STOP_ORDER = ("produce", "eval", "engine", "train", "archive", "metrics")
+    STOP_ORDER = ("produce", "eval", "engine", "train", "archive", "track", "metrics")
 
     def stop_children(self) -> None:
         for kind in self.STOP_ORDER:
@@ -121,9 +125,32 @@ def _fresh(cfg: RunConfig, embedded: bool) -> None:
 
 
 def main(cfg: RunConfig, args) -> int:
+    started = time.monotonic()
+    stack, stop_requested = Stack(), threading.Event()
+    old = _take_stop_signals(stack, stop_requested)  # first: a signal at any point stops `up` in order
+    try:
+        return _main(cfg, args, started, stack, stop_requested)
+    finally:
+        restore_signals(old)
+
+
+def _take_stop_signals(stack: Stack, stop_requested: threading.Event) -> dict:
+    """SIGINT, SIGTERM and SIGHUP set ``stop_requested``, which every step of start-up and
+    the supervisor check; a second SIGINT/SIGTERM kills the roles (a hangup never escalates).
+    Returns the handlers they replace, for :func:`restore_signals`."""
+
+    def on_signal(signum, frame):
+        if stop_requested.is_set() and signum != signal.SIGHUP:
+            for child in stack.children.values():
+                child.kill()
+        stop_requested.set()
+
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+
+def _main(cfg: RunConfig, args, started: float, stack: Stack, stop_requested: threading.Event) -> int:
     from producers import eval_sets
 
-    started = time.monotonic()
     eval_sets.prepare(cfg)  # a bad eval set is a one-line config error before anything starts
     embedded = not cfg.run.redis_url
     data_dir = Path(cfg.run.data_dir).resolve()
@@ -138,7 +165,7 @@ def main(cfg: RunConfig, args) -> int:
         engine = None
         if getattr(args, "engine", None):
             cfg, engine = _engine(cfg, args)
-        return _run(cfg, args, started, embedded, engine)
+        return _run(cfg, args, started, embedded, stack, stop_requested, engine)
     finally:
         if lock is not None:
             lock.release()
@@ -188,35 +215,49 @@ def _max_len(model_dir: Path) -> int:
     return min(int(config.get("max_position_embeddings") or 4096), 4096)
 
 
-def _run(cfg: RunConfig, args, started: float, embedded: bool, engine: Child | None = None) -> int:
-    stack, stop_requested = Stack(), threading.Event()
-
-    def on_signal(signum, frame):
-        # a second Ctrl-C / SIGTERM: no more grace for the roles (a hangup never escalates)
-        if stop_requested.is_set() and signum != signal.SIGHUP:
-            for child in stack.children.values():
-                child.kill()
-        stop_requested.set()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+def _run(
+    cfg: RunConfig,
+    args,
+    started: float,
+    embedded: bool,
+    stack: Stack,
+    stop_requested: threading.Event,
+    engine: Child | None = None,
+) -> int:
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = QuietStdout(sys.stdout), QuietStdout(sys.stderr)
     try:
+        if stop_requested.is_set():
+            print("streamer up: interrupted before anything started", flush=True)
+            return 130
         if embedded:
             valkey_dir = mark(Path(cfg.run.data_dir) / "valkey", SERVER_MARKER)
             stack.server = EmbeddedServer(valkey_dir, die_with_parent=True).start()
             cfg = replace(cfg, run={"redis_url": stack.server.url})
         try:
-            connect(cfg.run.redis_url)  # one clear line now if the server is unusable
+            client = connect(cfg.run.redis_url)  # one clear line now if the server is unusable
+            keys = Keys(cfg.run.name)
+            check_types(client, keys.types())  # a key of another type: one line, before any role
+            if stop_requested.is_set():
+                what = "stopping (server) ..." if embedded else "nothing was started"
+                print(f"streamer up: interrupted; {what}", flush=True)
+                return 130
+            if getattr(args, "reset_rows", False):
+                n = rows.reset(client, Keys(cfg.run.name))
+                print(
+                    f"streamer up: every row record forgotten; {n} rows set aside are active again",
+                    flush=True,
+                )
             if engine is not None:  # first: it takes longest to start; producers wait for it
                 stack.children[engine.name] = engine
                 engine.start(dict(os.environ))
-            return _start_and_supervise(cfg, args, started, stack, stop_requested)
+            try:
+                return _start_and_supervise(cfg, args, started, stack, stop_requested)
+            except redis.exceptions.ResponseError as e:  # up's own reads: name a key of another type
+                raise wrong_type(client, keys.types(), e) or e from None
         finally:
             stack.stop_server()  # last: every role that needed it has stopped
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
         sys.stdout, sys.stderr = streams
 
 
@@ -253,9 +294,12 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
     specs.append(("eval", _role_argv("eval", cfg, args)))
     if cfg.archive.enabled:
         specs.append(("archive", _role_argv("archive", cfg, args)))
+    if cfg.tracking.backend:
+        specs.append(("track", _role_argv("track", cfg, args)))
     specs += [(f"produce-{i}", _role_argv("produce", cfg, args, "--id", f"p{i}")) for i in range(producers)]
     progress = Progress(cfg, target_steps=args.steps or steps, live=not args.no_progress, started=started)
-    code, summary = 0, ""
+    progress.update()  # a resumed run: the steps trained before this `up`
+    first_step, code, summary = progress.train_step, 0, ""
     try:
         for name, argv in specs:
             if stop_requested.is_set():
@@ -276,6 +320,7 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
     finally:
         engine = "engine, " if "engine" in stack.children else ""
         stopping = f"producers, evaluator, {engine}trainer, " + ("archiver, " if cfg.archive.enabled else "")
+        stopping += "tracker, " if cfg.tracking.backend else ""
         print(f"\nstreamer up: stopping ({stopping}exporter, server) ...", flush=True)
         stack.stop_children()
         elapsed = time.monotonic() - started
@@ -293,29 +338,39 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
             file=sys.stderr,
         )
     print(summary)
-    return 130 if stop_requested.is_set() and code == 0 else code
+    if stop_requested.is_set() and code == 0:
+        return 130
+    if code == 0 and progress.ended and progress.train_step == first_step:  # the producers finished first
+        print(f"streamer up: no step was trained: {progress.ended}. {progress.way_on()}", file=sys.stderr)
+        return 1
+    return code
 
 
 def _supervise(stack: Stack, progress: Progress, stop: threading.Event, *, until_eval: float | None) -> int:
-    """Until the trainer is done (0), a role fails (1), eval accuracy reaches ``until_eval``
-    (0) or the producers find nothing left to teach (0)."""
+    """Until the trainer is done (0), a role fails (1) or eval accuracy reaches ``until_eval``
+    (0). When every producer has finished (the data is exhausted, nothing is left to teach,
+    ``max_groups``), the trainer is told to train every group that arrived and stop (0);
+    ``progress.ended`` then says why."""
     trainer = stack.children.get("train")  # None when a signal came before it started
+    producers = [c for name, c in stack.children.items() if name.startswith("produce")]
     while not stop.is_set():
         if stack.failed() is not None:
             return 1
         if trainer is not None and trainer.exited() == 0:
             return 0
         progress.tick()
-        if progress.nothing_to_teach:
-            print(
-                "\nstreamer up: every row is set aside: nothing left to teach; stopping",
-                flush=True,
-            )
-            return 0
         if progress.reached_eval(until_eval):
             print(
                 f"streamer up: eval accuracy {progress.eval_acc:.2f} >= {until_eval:g}: stopping", flush=True
             )
             return 0
+        done = all(c.exited() == 0 for c in producers) if producers else progress.nothing_to_teach
+        if done and not progress.ended:
+            progress.ended = progress.why_producers_stopped()
+            if trainer is None or trainer.exited() is not None:
+                print(f"\nstreamer up: {progress.ended}; stopping", flush=True)
+                return 0
+            print(f"\nstreamer up: {progress.ended}; the trainer trains what arrived, then stops", flush=True)
+            trainer.signal(signal.SIGUSR1)
         stop.wait(1.0)
     return 0

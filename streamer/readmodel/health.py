@@ -107,6 +107,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     waiting_groups: int  # trajectory entries the trainer group has not acknowledged
     rejected_since_step: dict[str, int] = {}  # groups the trainer rejected since its last step
     trainer_state: str = ""  # "running" / "stopped" as the trainer wrote it; "" unknown
+    steps_skipped: int = 0  # trainer steps that changed no weights (every update's gradient not finite)
     skipped_rows: int = 0  # rows skipped after producer.max_row_attempts failed attempts
     skipped_last: dict[str, str] = {}  # a few of them: ticket -> why
     problems: dict[str, str] = {}  # role -> what it cannot do, as it reported it (streamer/problems.py)
@@ -114,6 +115,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     rows_solved: int = 0  # rows set aside: their last groups were all solved (streamer/rows.py)
     rows_unsolvable: int = 0  # rows set aside: their last groups taught nothing, most failed
     nothing_to_teach: bool = False  # every row set aside, a last look taught nothing: the producers stopped
+    data_exhausted: bool = False  # every ticket of the producers' epochs claimed and finished
     data_lost: str = ""  # set when the server lost this run's data (see main)
     stalled: bool = False
     reasons: list[str] = []
@@ -154,6 +156,8 @@ QUERIES: dict[str, Query] = {
     "solved": Query("rows_solved", "scard"),
     "unsolvable": Query("rows_unsolvable", "scard"),
     "leases": Query("leases", "zcard"),
+    "data_end": Query("data_end", "get"),
+    "requeued": Query("requeue", "llen"),
 }
 
 
@@ -188,7 +192,14 @@ def snapshot(
         _stream(client, name, getattr(keys, name), r[f"{name}_info"], r[f"{name}_groups"]) for name in STREAMS
     ]
     counts = from_replies(
-        r["row_count"], r["last_look"], r["cursor"], r["solved"], r["unsolvable"], r["leases"]
+        r["row_count"],
+        r["last_look"],
+        r["cursor"],
+        r["solved"],
+        r["unsolvable"],
+        r["leases"],
+        r["data_end"],
+        r["requeued"],
     )
     parse_int(r["version"], keys.version, default=0)  # not shown, but a bad one is named here too
     limits = {
@@ -223,6 +234,7 @@ def snapshot(
             for k, v in _hash(r["rejected"], keys.rejected_since_step).items()
         },
         trainer_state=marker.get("trainer", ""),
+        steps_skipped=parse_int(marker.get("steps_skipped"), f"{keys.run_marker} steps_skipped", default=0),
         skipped_rows=int(r["skipped"] or 0),
         skipped_last={as_str(k): as_str(v) for k, v in list(r["skipped_some"][1].items())[:SHOWN_SKIPPED]},
         problems={
@@ -233,6 +245,7 @@ def snapshot(
         rows_solved=counts.solved,
         rows_unsolvable=counts.unsolvable,
         nothing_to_teach=counts.nothing_to_teach,
+        data_exhausted=counts.exhausted,
     )
     snap.reasons = stall_reasons(snap, stall_seconds=stall_seconds)
     snap.stalled = bool(snap.reasons)
@@ -244,7 +257,7 @@ def stall_reasons(snap: Snapshot, *, stall_seconds: float) -> list[str]:
     out = [f"the server lost this run's data: {snap.data_lost}"] if snap.data_lost else []
     out += [f"{who}: {what}" for who, what in snap.problems.items()]  # a role says it cannot work
     since = snap.policy.at if snap.policy else snap.stream("traj").first_entry_at
-    if snap.nothing_to_teach:  # done by design: no new version is coming
+    if snap.nothing_to_teach or snap.data_exhausted:  # done by design: no new version is coming
         return out
     if since is None or snap.at - since <= stall_seconds:
         return out

@@ -55,6 +55,7 @@ class SetCurves(msgspec.Struct, kw_only=True):
 
 class History(msgspec.Struct, kw_only=True):
     train_step: int = 0
+    steps_skipped: int = 0  # trainer steps that changed no weights (their groups dead-lettered)
     groups: int = 0
     eval_step: int = -1
     eval_accuracy: float | None = None
@@ -72,6 +73,7 @@ class History(msgspec.Struct, kw_only=True):
         v = e.values
         if e.axis == "train":
             self.train_step = max(self.train_step, e.step)
+            self.steps_skipped += int(v.get("steps_skipped", 0))
             if (loss := v.get("loss")) is not None:
                 self.loss_by_step.add(e.step, loss)
             if (lag := v.get("staleness_mean")) is not None:

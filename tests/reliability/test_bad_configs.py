@@ -3,7 +3,9 @@
 For each role: an unknown key, a value of the wrong type, a negative size (in the section
 the role reads) and an unusable run name, from the config file; and a negative value from
 the role's own command-line flags. tests/test_config.py covers the parser itself.
-Nothing here reaches a server: the URL points at a closed port.
+Nothing here reaches a server: the URL points at a closed port. Server URLs that cannot be
+used, or lead nowhere, are one line as well (exit 2 and 1, as for any other bad URL or
+unreachable server).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import pytest
 from bounds import RUN
 from harness import report
 from trainer_data import REPO
+
+from streamer.server import free_port
 
 pytestmark = pytest.mark.slow  # every case is a CLI process
 
@@ -140,3 +144,49 @@ def test_config_errors_found_after_connecting_leave_nothing_behind(redis_url, ke
     )
     assert not failures, "\n\n".join(failures)
     assert written == [] and files == [], (written, files)
+
+
+URL_ROLES = ("up", "train", "produce", "eval", "metrics", "status")
+
+
+def _url_cases(closed: int, plain: int) -> list[tuple[str, int, str]]:
+    """(URL, exit code, what its one line says); ``plain``: a server that is no cluster."""
+    return [
+        ("redis://[::1", 2, "cannot be used: Invalid IPv6 URL"),
+        ("redis://[zz::1]:6379/0", 2, "'zz::1' does not appear to be an IPv4 or IPv6 address"),
+        ("redis://user:s3cr[t@127.0.0.1:1/0", 2, "must be percent-encoded"),
+        (f"redis+cluster://127.0.0.1:{closed}", 1, "cannot reach the server at"),
+        (f"redis+cluster://127.0.0.1:{plain}", 1, "Cluster mode is not enabled"),
+        (f"redis+cluster://127.0.0.1:{plain}/3", 2, "a cluster has only database 0"),
+    ]
+
+
+def test_every_role_says_in_one_line_what_is_wrong_with_its_server_url(private_valkey, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cases = [(role, *case) for case in _url_cases(free_port(), private_valkey.port) for role in URL_ROLES]
+    running = [
+        subprocess.Popen(
+            [sys.executable, "-m", "streamer", role, "--redis-url", url, "--data-dir", str(tmp_path / role)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for role, url, _, _ in cases
+    ]
+    failures = []
+    for (role, url, code, expect), proc in zip(cases, running, strict=True):
+        out, err = proc.communicate(timeout=RUN)
+        lines = err.strip().splitlines()
+        ok = proc.returncode == code and len(lines) == 1 and lines[0].startswith(f"streamer {role}: ")
+        if not (ok and expect in lines[0] and "s3cr" not in out + err):
+            failures.append(f"{role} {url}: exit {proc.returncode} (want {code}), stderr:\n{err[-1500:]}")
+    report(
+        "bad-server-urls",
+        roles=len(URL_ROLES),
+        cases=len(cases),
+        clear=len(cases) - len(failures),
+        crashed=sum("Traceback" in f for f in failures),
+    )
+    assert not failures, "\n\n".join(failures)

@@ -1,6 +1,7 @@
 """Values an operator or a bug leaves in the server: each role that reads one exits with one
 line naming the key, never a traceback; the archiver and `up`'s summary, which only report,
-carry on and say what they could not read."""
+carry on and say what they could not read. A key given another type while the trainer runs
+is named the same way, from whichever of its threads meets it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import pytest
 from harness import report, run_config_in
 from trainer_data import REPO, make_group, publish
+from waits import wait_until
 
 from consumers.archive import Archiver
 from streamer import demo
@@ -85,3 +87,94 @@ def test_up_needs_at_least_one_producer(tmp_path):
         )
         assert res.returncode == 2, res.stderr
         assert "argument --producers" in res.stderr and "at least 1" in res.stderr, res.stderr
+
+
+def _spoil(client, key: str, kind: str) -> str:
+    """Give ``key`` another type than ``kind``, in one step (a command blocked on it sees the
+    new type, not a missing key); returns the type it has now."""
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(key)
+    if kind == "string":
+        pipe.rpush(key, "a", "list")
+    else:
+        pipe.set(key, "a string")
+    pipe.execute()
+    return "list" if kind == "string" else "string"
+
+
+# the keys a trainer step meets (a read, a rejection, the release of the step's slots, the
+# version's announcement under the fencing token, the checkpoint's record and data position)
+MID_RUN = ["traj", "rejected_since_step", "held_slots", "version", "trainer_fence", "run_marker", "cursor"]
+
+
+def _running_trainer(server, procs, tmp_path) -> tuple:
+    """A `streamer train` past its start (its check of every key's type), waiting for groups."""
+    client, keys = connect(server.url), Keys("mid")
+    config = run_config_in(tmp_path, keys, trainer={"checkpoint_every": 1})  # 2 groups a step
+    procs.start("train", "train", "--config", str(config), "--redis-url", server.url)
+    wait_until(
+        lambda: client.exists(keys.policy) and client.xlen(keys.policy) >= 1,
+        timeout=180,
+        what="the trainer to announce its first version",
+        watch=procs,
+    )
+    return client, keys
+
+
+@pytest.mark.parametrize("name", MID_RUN)
+def test_a_key_given_another_type_under_a_running_trainer_is_one_line(private_valkey, procs, tmp_path, name):
+    client, keys = _running_trainer(private_valkey, procs, tmp_path)
+    key = getattr(keys, name)
+    want = keys.types()[key]
+    got = _spoil(client, key, want)
+    if name != "traj":
+        rewards = (1.0, 1.0, 1.0, 1.0) if name == "rejected_since_step" else (1.0, 0.0, 0.0, 1.0)
+        publish(client, keys.traj, [make_group(random.Random(i), rewards=rewards) for i in range(2)])
+    code = procs.wait("train", 180)
+    log = procs.log("train")
+    report("wrong-type-mid-run", key=name, exit=code, tracebacks=log.count("Traceback"))
+    assert code == 1 and "Traceback" not in log, log[-4000:]
+    assert f"{key} is a {got}, where this run keeps a {want}" in log, log[-3000:]
+
+
+def test_the_trajectory_stream_deleted_under_a_running_trainer_is_one_line(private_valkey, procs, tmp_path):
+    client, keys = _running_trainer(private_valkey, procs, tmp_path)
+    client.delete(keys.traj)  # the trainer's read: NOGROUP, its group went with the stream
+    code = procs.wait("train", 180)
+    log = procs.log("train")
+    report("traj-deleted-mid-run", exit=code, tracebacks=log.count("Traceback"))
+    assert code == 1 and "Traceback" not in log, log[-4000:]
+    assert (
+        f"streamer train: the server refused a command on this run's keys: NOGROUP No such key '{keys.traj}'"
+        in log
+    )
+
+
+@pytest.mark.parametrize("name", ["metrics_snapshot", "problems"])
+def test_up_names_a_key_of_the_wrong_type_before_it_starts_anything(private_valkey, tmp_path, name):
+    url, keys = private_valkey.url, Keys("demo")
+    key = getattr(keys, name)
+    got = _spoil(connect(url), key, keys.types()[key])
+    data = tmp_path / "data"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "streamer",
+            "up",
+            "--redis-url",
+            url,
+            "--data-dir",
+            str(data),
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = res.stdout + res.stderr
+    started = sorted(p.stem for p in data.rglob("*.log"))  # a role's log: it was started
+    report("wrong-type-at-up-start", key=name, exit=res.returncode, roles_started=len(started))
+    assert res.returncode == 1 and "Traceback" not in out and not started, (started, out[-3000:])
+    assert f"streamer up: {key} is a {got}, where this run keeps a {keys.types()[key]}" in res.stderr, out
