@@ -9,7 +9,8 @@ It folds the run's ``metrics`` stream into series on three step axes kept apart
 Event-sourced state. Everything served from events is a pure fold of the metrics
 stream (:class:`consumers.metrics_state.State`). Every ``metrics.snapshot_interval``
 seconds the exporter saves that state to Redis and trims the stream behind it
-(:mod:`streamer.readmodel.saved`), so the stream stays bounded however long the run. On start
+(:mod:`streamer.readmodel.saved`), so the stream stays bounded however long the run; the
+trim waits for the tracker's group (``tracking``) by at most ``tracking.max_lag`` entries. On start
 it loads the snapshot, replays the stream after it with XRANGE, then joins its consumer
 group (``metrics``) for new entries; entries at or below the replayed id are acknowledged
 without being applied again. A restart therefore continues the same counter totals
@@ -46,11 +47,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from consumers.metrics_state import SERIES, Series, State, gauge, restore, save
 from schemas import MetricsEvent
 from streamer import lifecycle
-from streamer.bus import Consumer, parse_id, scan
+from streamer.bus import Consumer, hold_back, parse_id, scan
 from streamer.config import RunConfig
 from streamer.connection import TRANSIENT, connect
 from streamer.errors import ConfigError
-from streamer.keys import METRICS_GROUP, Keys
+from streamer.keys import METRICS_GROUP, TRACKING_GROUP, Keys
 from streamer.readmodel import saved
 from streamer.readmodel.health import Snapshot, snapshot
 
@@ -134,7 +135,11 @@ class Exporter:
         last = save(self.client, self.keys.metrics_snapshot, self.state)
         if trim and self._trim_to is not None:
             ms, seq = parse_id(self._trim_to)  # MINID keeps its own id: cut just past it
-            cut = f"{ms}-{seq + 1}"
+            # never past what the tracker (`streamer track`) has still to write, within its max lag
+            ms, seq = hold_back(
+                self.client, self.keys.metrics, (ms, seq + 1), TRACKING_GROUP, self.cfg.tracking.max_lag
+            )
+            cut = f"{ms}-{seq}"
             self.trimmed += int(self.client.xtrim(self.keys.metrics, minid=cut, approximate=False))
         self._trim_to = last
         self.snapshots += 1

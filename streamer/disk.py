@@ -87,3 +87,20 @@ def fsync(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def replace_durably(path: Path, data: bytes) -> None:
+    """Put ``data`` at ``path`` whole or not at all, surviving a machine crash: written to a
+    temporary file beside it, fsynced, renamed over it, the rename fsynced. OSError on failure."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync(path.parent)

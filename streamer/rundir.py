@@ -31,11 +31,13 @@ TRAINER_ID = ".trainer-id"  # the owner token of the run's trainer lease (stream
 ENGINE_MODEL = "engine-model"  # `up --engine`: the demo model the engine serves
 ENGINE_CONFIG = "engine.toml"  # `up --engine`: the run config with the engine's settings
 ARCHIVE = "archive"  # `streamer archive`: the run's rollout groups as text
+TRACKING = "tracking"  # `streamer track`: TensorBoard / W&B files (tracking.dir unless set)
 RUN_ENTRIES = (
     "weights",
     "checkpoints",
     "logs",
     ARCHIVE,
+    TRACKING,
     "curve.json",
     ENGINE_MODEL,
     ENGINE_CONFIG,

@@ -4,7 +4,7 @@
 
 READY says when a long-running role has started: ``exit`` (a command that ends by itself),
 ``http:PORT`` (the exporter serves /metrics), ``file:DIR`` (the archiver has written a
-rollout file), ``up`` (`up` has started its roles and drawn its progress once; each role is a
+rollout file), ``glob:DIR/PATTERN`` (a file matching it has been written: the tracker's), ``up`` (`up` has started its roles and drawn its progress once; each role is a
 placeholder ``sleep`` here, so what is measured is `up` itself). Then this process sends
 itself SIGTERM, as a person stopping the role would. OUT.json gets the exit code and, at the
 ready point and at the end, whether torch, transformers or a transformers model class was
@@ -48,6 +48,9 @@ def _ready_check(ready: str, ticked: threading.Event):
         return lambda: _serves_metrics(arg)
     if kind == "file":
         return lambda: any(f.stat().st_size > 0 for f in Path(arg).glob("rollouts-*.jsonl.gz"))
+    if kind == "glob":
+        where = Path(arg)
+        return lambda: any(f.stat().st_size > 0 for f in where.parent.glob(where.name))
     if kind == "up":
         return ticked.is_set
     raise SystemExit(f"unknown READY {ready!r}")

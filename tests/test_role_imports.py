@@ -1,5 +1,5 @@
-"""Roles that run no model import no torch: the archiver, the exporter, `status`, `samples`,
-`plot` and `up` itself, each started for real (tests/role_modules.py) against a run with a
+"""Roles that run no model import no torch: the archiver, the exporter, the tracker (with
+TensorBoard), `status`, `samples`, `plot` and `up` itself, each started for real (tests/role_modules.py) against a run with a
 policy version, a rollout group and metrics on the server."""
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ def test_roles_that_run_no_model_import_neither_torch_nor_transformers(
     }
     port = free_port()
     reports["metrics"] = _start(tmp_path, f"http:{port}", "metrics", *common, "--port", str(port))
+    tracking = write_toml(tmp_path / "track.toml", {"tracking": {"backend": "tensorboard"}})
+    events = f"glob:{run / keys.run / 'tracking' / 'train'}/events.out.tfevents.*"
+    reports["track"] = _start(tmp_path, events, "track", *common, "--config", str(tracking))
     reports["up"] = _start(tmp_path, "up", "up", *common, "--no-progress", "--producers", "1")
     assert {role: r["code"] for role, r in reports.items()} == {
         "archive": 0,
@@ -96,6 +99,7 @@ def test_roles_that_run_no_model_import_neither_torch_nor_transformers(
         "status": 0,
         "plot": 0,
         "metrics": 0,
+        "track": 0,
         "up": 130,  # stopped by a signal
     }
     imported = {role: _heavy(r) for role, r in reports.items()}
