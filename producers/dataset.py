@@ -1,89 +1,103 @@
-"""Dataset rows: a JSONL file of prompts (or the built-in demo), and its per-epoch order.
+"""Dataset rows: where they come from, the rule every row keeps, and their per-epoch order.
 
-One JSON object per line, with either ``messages`` (a chat: a list of ``{"role",
-"content"}``) or ``prompt`` (a string), plus whatever the reward needs (e.g. ``answer``).
-Blank lines are skipped; anything else that is not such an object is a
-:class:`DatasetError` naming the file and line, raised before any work starts.
+A source (``producer.dataset``, an eval set's ``dataset``, or each ``[[dataset.sources]]``):
+
+- ``demo`` or ``demo:TASK``: the built-in rows, in memory;
+- ``reasoning_gym:NAME`` or ``verifiers:ENV_ID``: an environment's rows (:mod:`producers.envs`);
+- a JSONL file: one JSON object per line, blank lines skipped;
+- a parquet or Arrow file, a directory of such files (and JSONL), or a hub dataset
+  ``hf:owner/name[/config][:split]``: read through HF ``datasets`` (the ``datasets``
+  extra), memory-mapped, a row decoded only when a ticket points at it
+  (:mod:`producers.arrow_rows`). A JSONL file goes that way too when ``datasets`` is
+  installed; without it, it is read whole into memory.
+
+Every row has ``messages`` (a chat: a list of ``{"role", "content"}``) or ``prompt`` (a
+string) (:mod:`producers.row_rule`), plus whatever the reward needs (its ``required_fields``,
+e.g. ``answer``). A row that breaks this is a :class:`DatasetError` naming the file and line
+(or row) and raised before any work starts, as is a row without a field the reward needs
+(:func:`check_required`). Rows that are not a list are :class:`~producers.lazy_rows.Rows`.
 
 Rows are handed out by global *tickets* (see :mod:`streamer.admission`): ticket ``t`` is
 position ``t % N`` of epoch ``t // N``, and each epoch visits the rows in its own seeded
 shuffle, so every producer maps a ticket to the same row without talking to the others.
+Several weighted sources have an order of their own (:mod:`producers.mix`).
 """
 
 from __future__ import annotations
 
 import functools
-import json
+import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from producers import envs
+from producers.lazy_rows import Rows, missing
+from producers.row_rule import read_jsonl
 from streamer import demo
+from streamer.config_dataset import HUB
 from streamer.errors import DatasetError
 
 CACHED_ROWS = 1 << 16  # row indices the cached permutations hold at most (4 epochs at least)
+EVAL_SPLIT = {"eval": "test"}  # a hub dataset's split for an eval set whose name gives none
 
 
-def load_rows(source: str, *, split: str = "train") -> list[dict]:
-    """Rows of ``source``: "demo" (the built-in task's ``split``) or a JSONL path."""
+def load_rows(source: str, *, split: str = "train", cache_dir: str | Path | None = None) -> Sequence[dict]:
+    """Rows of ``source`` (see the module's docstring), checked against the row rule.
+
+    ``split``: the demo's split, and a hub dataset's when its name gives none ("eval" asks
+    the hub for "test"). ``cache_dir``: where ``datasets`` keeps its Arrow conversions
+    (None: its own cache)."""
     if source == demo.DEMO:
         return demo.rows(split)
     if source.startswith(f"{demo.DEMO}:"):  # a built-in multi-turn task (streamer.rollout.tasks)
         from streamer.rollout import tasks
 
         return tasks.rows(source.partition(":")[2], split)
+    if envs.is_source(source):  # reasoning_gym:NAME, verifiers:ENV_ID (producers.envs)
+        return envs.rows(source, split)
+    if source.startswith(HUB):
+        return _arrow(source).load_hub(source, split=EVAL_SPLIT.get(split, split), cache_dir=cache_dir)
     path = Path(source)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise DatasetError(f"cannot read dataset {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    lines = enumerate(text.splitlines(), start=1)
-    rows = [parse_row(line, where=f"{path}:{lineno}") for lineno, line in lines if line.strip()]
-    if not rows:
-        raise DatasetError(f"{path}: no rows (expected one JSON object per line)")
-    return rows
+    if path.is_dir() or path.suffix in (".parquet", ".arrow"):
+        return _arrow(source).load_path(path, cache_dir=cache_dir)
+    if has_datasets():
+        from producers import arrow_rows
+
+        return arrow_rows.load_path(path, cache_dir=cache_dir)
+    return read_jsonl(path)
 
 
-def parse_row(line: str, *, where: str) -> dict:
-    """One JSONL line as a row dict, or a DatasetError that starts with ``where``."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(row, dict):
-        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if "messages" in row:
-        _check_messages(row["messages"], where)
-    elif "prompt" in row:
-        if not isinstance(row["prompt"], str) or not row["prompt"]:
-            raise DatasetError(f"{where}: `prompt` must be a non-empty string")
-    else:
-        raise DatasetError(f"{where}: a row needs `messages` (a chat) or `prompt` (a string)")
-    return row
+def has_datasets() -> bool:
+    """Whether HF ``datasets`` is installed (the ``datasets`` extra)."""
+    return importlib.util.find_spec("datasets") is not None
 
 
-def _check_messages(messages, where: str) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise DatasetError(f"{where}: `messages` must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise DatasetError(f"{where}: messages[{i}] needs a string `role`")
-        if not isinstance(m.get("content"), str):
-            raise DatasetError(f"{where}: messages[{i}] needs a string `content`")
+def _arrow(source: str):
+    if not has_datasets():
+        raise DatasetError(
+            f"{source}: reading parquet, Arrow, directories and hub datasets needs HF datasets: "
+            "pip install 'streamer-rl[datasets]'"
+        )
+    from producers import arrow_rows
+
+    return arrow_rows
 
 
-def check_required(rows: list[dict], fields, *, source: str, reward: str) -> None:
+def check_required(rows: Sequence[dict], fields, *, source: str, reward: str) -> None:
     """Every row has the fields the reward reads (its ``required_fields``), or a DatasetError
     before any work starts: such a row could never be scored, so never trained."""
     for field in fields:
-        missing = [i for i, row in enumerate(rows) if field not in row]
-        if missing:
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        found = missing(rows, field)
+        if found:
+            first, count = found
+            where = rows.where(first) if isinstance(rows, Rows) else ""
+            at = f" (row {first} is {where})" if where and where != f"{source} row {first}" else ""
+            more = f" (and {count - 1} more)" if count > 1 else ""
             raise DatasetError(
-                f"{source}: row {missing[0]}{more} has no `{field}`, which the reward {reward} needs"
+                f"{source}: row {first}{more} has no `{field}`, which the reward {reward} needs{at}"
             )
 
 
@@ -127,4 +141,5 @@ class Order:
         return self.n_rows * epochs if epochs > 0 else None
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
+        """The rows of epoch ``epoch``, position by position (uint32: 4 bytes a row)."""
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_rows).astype(np.uint32)

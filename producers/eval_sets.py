@@ -21,15 +21,15 @@ reward raised, counts as a failure with reward 0); a sample succeeds when its re
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from producers import rewards
-from producers.components import load_reward
+from producers.components import load_reward, load_rollout
 from producers.dataset import check_required, load_rows
 from streamer.config import RunConfig
 from streamer.config_rollout import DEFAULT_SET, EvalSetSection
 from streamer.errors import ConfigError, DatasetError
-from streamer.imports import load_function
 from streamer.rollout.contract import DEFAULT_ROLLOUT, RewardFn
 
 __all__ = ["EvalSet", "RowScores", "pass_at_k", "prepare", "summarize"]
@@ -40,7 +40,7 @@ class EvalSet:
     """One set, resolved: its rows, reward, rollout and sampling settings."""
 
     name: str
-    rows: list[dict]
+    rows: Sequence[dict]  # a list, or rows read on demand (producers.lazy_rows.Rows)
     reward_fn: RewardFn
     reward_path: str
     rollout: str  # import path or service URL; "" = single-turn
@@ -83,10 +83,10 @@ def _prepare(cfg: RunConfig, name: str, s: EvalSetSection) -> EvalSet:
     path = rewards.default_path(s.reward or cfg.producer.reward, s.dataset)
     rollout = s.rollout or cfg.producer.rollout
     try:
-        rows = load_rows(s.dataset, split="eval")
+        rows = load_rows(s.dataset, split="eval", cache_dir=cfg.dataset_cache_dir)
         reward_fn = load_reward(cfg, path)
         if not rollout.startswith(("http://", "https://")):
-            load_function(rollout or DEFAULT_ROLLOUT, what="rollout")
+            load_rollout(rollout)
     except (ConfigError, ValueError) as e:
         raise DatasetError(f"{where}: {e}") from None
     rows = rows[: s.max_rows] if s.max_rows else rows

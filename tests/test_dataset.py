@@ -28,8 +28,11 @@ def test_demo_rows_and_a_jsonl_file(tmp_path):
     assert load_rows("demo") == demo.rows("train") and load_rows("demo", split="eval") == demo.rows("eval")
     p = tmp_path / "d.jsonl"
     p.write_text('{"prompt": "2+2=", "answer": "4"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
-    rows = load_rows(str(p))
-    assert rows == [{"prompt": "2+2=", "answer": "4"}, {"messages": [{"role": "user", "content": "hi"}]}]
+    rows = load_rows(str(p), cache_dir=tmp_path / "cache")  # through datasets where it is installed
+    assert list(rows) == [
+        {"prompt": "2+2=", "answer": "4"},
+        {"messages": [{"role": "user", "content": "hi"}]},
+    ]
 
 
 def test_the_demo_split_holds_out_pairs_whose_mirror_and_answer_are_trained():
@@ -58,16 +61,16 @@ def test_a_bad_line_names_file_and_line(tmp_path, line, reason):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"prompt": "ok"}\n\n' + line + "\n")
     with pytest.raises(DatasetError) as e:
-        load_rows(str(p))
+        load_rows(str(p), cache_dir=tmp_path / "cache")
     assert str(e.value).startswith(f"{p}:3: ") and reason in str(e.value)
 
 
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(DatasetError, match="cannot read dataset"):
-        load_rows(str(tmp_path / "nope.jsonl"))
+        load_rows(str(tmp_path / "nope.jsonl"), cache_dir=tmp_path / "cache")
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(DatasetError, match="no rows"):
-        load_rows(str(tmp_path / "empty.jsonl"))
+        load_rows(str(tmp_path / "empty.jsonl"), cache_dir=tmp_path / "cache")
 
 
 def test_each_epoch_is_a_seeded_permutation():

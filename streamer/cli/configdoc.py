@@ -26,6 +26,8 @@ def _type(t: msgspec.inspect.Type) -> str:
         return " / ".join(f'"{v}"' for v in t.values)  # not "|": it would end the table cell
     if isinstance(t, msgspec.inspect.ListType):
         return f"list[{_type(t.item_type)}]"
+    if isinstance(t, msgspec.inspect.StructType):
+        return "table"
     name = type(t).__name__.removesuffix("Type").lower()
     ops = ((">", "gt"), (">=", "ge"), ("<", "lt"), ("<=", "le"))
     bounds = [(op, v) for op, key in ops if (v := getattr(t, key, None)) is not None]
@@ -52,11 +54,16 @@ def _rows(prefix: str, obj: msgspec.Struct) -> list[str]:
             table.value_type, msgspec.inspect.StructType
         ):
             rows.extend(_table_rows(f"{prefix}.{f.name}.NAME", table.value_type.cls))
+        if isinstance(table, msgspec.inspect.ListType) and isinstance(
+            table.item_type, msgspec.inspect.StructType
+        ):
+            rows.extend(_table_rows(f"{prefix}.{f.name}[]", table.item_type.cls))  # [[dataset.sources]]
     return rows
 
 
 def _table_rows(prefix: str, cls: type) -> list[str]:
-    """The fields of a table of sections (``[eval.sets.NAME]``), with their defaults."""
+    """The fields of a table or array of sections (``[eval.sets.NAME]``, ``[[dataset.sources]]``),
+    with their defaults."""
     notes = _comments(cls)
     out = []
     for f in msgspec.inspect.type_info(cls).fields:

@@ -101,7 +101,7 @@ RewardFn = Callable[..., float]  # (row, completion_text, completion) -> float
 class Task:
     """What turns rows into rewards: the rows, the renderer, the reward function."""
 
-    rows: list[dict]
+    rows: Sequence[dict]  # a list, or rows read on demand from a file (producers.lazy_rows.Rows)
     renderer: Renderer
     reward_fn: RewardFn
     reward_path: str
