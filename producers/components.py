@@ -9,10 +9,12 @@ function named by import path, or a rollout service's URL.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
-from producers import rewards
+from producers import envs, rewards
 from producers.dataset import check_required, load_rows
 from producers.judge import Judge
+from producers.mix import training_label, training_rows
 from producers.render import Renderer, stop_ids
 from producers.rollout_service import MAX_REPLY_BYTES, remote
 from producers.samplers import LocalSampler
@@ -42,12 +44,12 @@ def load_task(
     split: str = "train",
     tokenizer=None,
     extra_stop_ids=(),
-    rows: list[dict] | None = None,
+    rows: Sequence[dict] | None = None,
     reward_fn=None,
 ) -> Task:
     """Rows of ``dataset``, rendered with the model's tokenizer, scored by the reward (those
     given are not loaded again)."""
-    rows = rows if rows is not None else load_rows(dataset, split=split)
+    rows = rows if rows is not None else load_rows(dataset, split=split, cache_dir=cfg.dataset_cache_dir)
     path = rewards.default_path(cfg.producer.reward, dataset)
     reward_fn = reward_fn or load_reward(cfg, path)
     tokenizer = tokenizer if tokenizer is not None else models.load_tokenizer(cfg.model)
@@ -56,17 +58,23 @@ def load_task(
 
 
 def load_reward(cfg: RunConfig, path: str):
-    """The reward function ``path`` names; "judge" is the built-in judge of ``[reward.judge]``."""
+    """The reward function ``path`` names; "judge" is the built-in judge of ``[reward.judge]``,
+    "math" and "reasoning_gym" are :mod:`producers.envs`' rewards."""
     if path == "judge":
-        return Judge(cfg.reward.judge)
+        return Judge(cfg.reward.judge, concurrency=cfg.reward.concurrency)
+    if path in envs.REWARDS:
+        return envs.load_reward(path)
     return rewards.load(path)
 
 
 def load_rollout(path: str, *, max_reply_bytes: int = MAX_REPLY_BYTES, timeout: float = 0.0) -> Rollout:
-    """The rollout at import path ``path`` ("" = the built-in single turn), or a rollout
-    service's URL (:func:`producers.rollout_service.remote`, with its reply limits)."""
+    """The rollout at import path ``path`` ("" = the built-in single turn), a rollout
+    service's URL (:func:`producers.rollout_service.remote`, with its reply limits), or
+    ``verifiers:ENV_ID``, a verifiers environment (:mod:`producers.envs`)."""
     if path.startswith(("http://", "https://")):
         return remote(path, timeout=timeout, max_reply_bytes=max_reply_bytes)
+    if path.startswith(envs.ROLLOUT_PREFIX):
+        return envs.rollout(path)
     return load_function(path or DEFAULT_ROLLOUT, what="rollout")
 
 
@@ -81,14 +89,15 @@ def local_sampler(cfg: RunConfig, tokenizer) -> tuple[LocalSampler, list[int]]:
 def build(cfg: RunConfig):
     """(task, sampler) of a producer, from the config."""
     p = cfg.producer
-    rows = load_rows(p.dataset)  # first: a bad dataset or reward fails before any model loads
-    reward_path = rewards.default_path(p.reward, p.dataset)
+    rows = training_rows(cfg)  # first: a bad dataset or reward fails before any model loads
+    dataset = training_label(cfg)
+    reward_path = rewards.default_path(p.reward, dataset)
     reward_fn = load_reward(cfg, reward_path)
     if p.rollout in ("", DEFAULT_ROLLOUT):  # a rollout of the user's may score rows its own way
         required = getattr(reward_fn, "required_fields", ())
-        check_required(rows, required, source=p.dataset, reward=reward_path)
+        check_required(rows, required, source=dataset, reward=reward_path)
     tokenizer = models.load_tokenizer(cfg.model)
-    common = dict(dataset=p.dataset, tokenizer=tokenizer, rows=rows, reward_fn=reward_fn)
+    common = dict(dataset=dataset, tokenizer=tokenizer, rows=rows, reward_fn=reward_fn)
     if p.sampler == "local":
         if p.torch_threads:
             import torch

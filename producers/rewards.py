@@ -12,11 +12,13 @@ concurrently, at most ``reward.concurrency`` calls at once per producer, each wi
 :class:`~streamer.errors.SamplerError` (such as :class:`RewardUnavailable`, which a call
 past its timeout raises) is an outage, and the row is handed back without counting an
 attempt; an :class:`~streamer.errors.EpisodeRejected` drops the whole rollout with its
-reason and counts one.
+reason and counts one. A reward that holds a resource of the event loop (the judge's HTTP
+client) has an ``async aclose()``; the loop's owner calls it through :func:`close`.
 
 Shipped: :func:`exact_match`, :func:`math_answer` (GSM8K-style final-number grading) and
-the demo task's ``streamer.demo:reward``. An empty ``producer.reward`` picks the
-dataset's default (:func:`default_path`).
+the demo task's ``streamer.demo:reward``; by name rather than import path, ``"judge"``
+(:mod:`producers.judge`), ``"math"`` and ``"reasoning_gym"`` (:mod:`producers.envs`). An
+empty ``producer.reward`` picks the dataset's default (:func:`default_path`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import re
 
 import anyio
 
+from producers import envs
 from streamer import demo
 from streamer.errors import EpisodeRejected, RewardUnavailable, SamplerError
 from streamer.imports import load_function
@@ -45,6 +48,8 @@ def default_path(configured: str, dataset: str) -> str:
     """The reward import path to use: the configured one, else the dataset's default."""
     if configured:
         return configured
+    if dataset.startswith(envs.GYM_PREFIX):  # the task's own score_answer
+        return "reasoning_gym"
     return DEMO_REWARD if dataset == demo.DEMO else EXACT_MATCH
 
 
@@ -110,6 +115,15 @@ async def score_all(
         for i in range(len(texts)):
             tg.start_soon(one, i)
     return out
+
+
+async def close(fn: RewardFn) -> None:
+    """Release what ``fn`` holds in the running event loop (a judge's HTTP client): called by
+    whoever runs the loop, as it ends. A reward without an ``aclose`` holds nothing."""
+    aclose = getattr(fn, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):  # a producer being cancelled still closes it
+            await aclose()
 
 
 def _finite(value) -> float:

@@ -37,18 +37,39 @@ TASKS = ("retry", "tools")
 RETRY_ATTEMPTS = 3
 RETRY_REWARDS = (1.0, 0.6, 0.3)
 TOOL_CALL = "="
+GYM_TASK = "reasoning_gym:"  # `--task reasoning_gym:NAME`: a reasoning-gym task (producers.envs)
+GYM_NEW_TOKENS = 8  # a reasoning-gym task's completion cap on the demo model: a short answer and its stop
 EVAL_KEYS = range(70, 100)
+
+
+def gym_config(name: str):
+    """``--task reasoning_gym:NAME``: reasoning-gym task ``name`` on the demo model, a run that
+    works offline (the demo's character vocabulary cannot read the questions' words: it shows
+    the plumbing, not learning). Completions may run to :data:`GYM_NEW_TOKENS` tokens; an
+    unknown task is a config error when its rows are first read (producers.envs.gym_tasks)."""
+    from streamer.config import replace
+
+    source = GYM_TASK + name
+    return replace(
+        demo.config(),
+        run={"name": f"reasoning-gym-{name}".replace("_", "-")},
+        producer={"dataset": source, "reward": "", "max_new_tokens": GYM_NEW_TOKENS},
+        eval={"dataset": source, "max_new_tokens": GYM_NEW_TOKENS, "max_rows": 20},
+    )
 
 
 def config(name: str):
     """The run config of task ``name``: the demo's, with the task's rows and rollout, and a
-    learning rate of 1e-3 (the tasks' figures in the README are measured with it)."""
+    learning rate of 1e-3 (the tasks' figures in the README are measured with it).
+    ``reasoning_gym:NAME`` is a reasoning-gym task on the demo model (:func:`gym_config`)."""
     from streamer.config import replace
 
+    if name.startswith(GYM_TASK):
+        return gym_config(name.removeprefix(GYM_TASK))
     if name not in TASKS:
         from streamer.errors import ConfigError
 
-        raise ConfigError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}")
+        raise ConfigError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}, {GYM_TASK}NAME")
     cfg = demo.config()
     return replace(
         cfg,
