@@ -226,15 +226,20 @@ class Evaluator:
         if not rewards.is_async(task.reward_fn):
             return [self._reward(task, row, c) for c in completions]
         texts = [task.renderer.decode(c.token_ids) for c in completions]
-        call = functools.partial(
-            rewards.score_all,
-            task.reward_fn,
-            row,
-            texts,
-            completions,
-            name=task.reward_path,
-            timeout=self.cfg.reward.timeout,
-        )
+
+        async def call() -> list[float | None]:
+            try:
+                return await rewards.score_all(
+                    task.reward_fn,
+                    row,
+                    texts,
+                    completions,
+                    name=task.reward_path,
+                    timeout=self.cfg.reward.timeout,
+                )
+            finally:  # this loop ends here: so does what the reward holds in it (a judge's client)
+                await rewards.close(task.reward_fn)
+
         try:
             try:
                 scored = anyio.run(call)

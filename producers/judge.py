@@ -14,7 +14,15 @@ or 5xx, or a timeout is retried ``retries`` times with backoff, then raises
 (as for an engine outage). A judge that refuses the request (400, 413, 422) refuses this
 row: the attempt counts. A judge that answers but not with a finite number rejects the
 rollout with reason ``bad_reward`` and the reply quoted: the row is handed back and, after
-``producer.max_row_attempts`` such answers, skipped with that reason. Never a silent 0.
+``producer.max_row_attempts`` such answers, skipped with that reason. Never a silent 0. A
+reply is read as it streams in, never past ``max_reply_bytes`` (a larger ``Content-Length``
+is refused from the headers): a larger one is such an answer too (``bad_reward``).
+
+A judge keeps one pooled HTTP client per event loop (keep-alive connections, at most
+``reward.concurrency`` of them), made on the first call in that loop: an async client
+belongs to the loop that opened its connections. Whoever runs the loop closes it at the
+loop's end (:meth:`Judge.aclose`, through :func:`producers.rewards.close`): the producer
+when it stops, the evaluator after each row's rewards.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import os
 import string
 
 import anyio
+import anyio.lowlevel
 import httpx
 import msgspec
 
@@ -42,7 +51,7 @@ QUOTE = 200  # characters of a bad reply kept in the reason
 class Judge:
     """An async reward ``(row, completion_text, completion) -> float`` served by a model."""
 
-    def __init__(self, cfg: JudgeSection):
+    def __init__(self, cfg: JudgeSection, *, concurrency: int = 32):
         if not cfg.url:
             raise ConfigError('`reward.judge.url` is empty (required when `producer.reward` = "judge")')
         self.cfg = cfg
@@ -58,6 +67,9 @@ class Judge:
         # checked against every row before work starts (producers.dataset.check_required)
         self.required_fields = tuple(sorted(names - {"completion", "prompt"})) if cfg.kind == "chat" else ()
         self.__name__ = f"judge({cfg.url})"
+        self.concurrency = concurrency  # calls in flight at once (reward.concurrency): pooled connections
+        self._http: httpx.AsyncClient | None = None
+        self._loop: anyio.lowlevel.EventLoopToken | None = None  # the loop ``_http`` belongs to
 
     async def __call__(self, row: dict, text: str, completion=None) -> float:
         if self.cfg.kind == "chat":
@@ -77,28 +89,46 @@ class Judge:
         """The template filled in for ``row`` and the completion ``text``."""
         return self.cfg.template.format_map({**row, "prompt": _prompt_of(row), "completion": text})
 
+    async def aclose(self) -> None:
+        """Close this event loop's client, if it has one (the next call makes a new one)."""
+        if self._http is not None and self._loop == anyio.lowlevel.current_token():
+            http, self._http, self._loop = self._http, None, None
+            await http.aclose()
+
+    def _client(self) -> httpx.AsyncClient:
+        """The running loop's pooled client, made on its first call there."""
+        loop = anyio.lowlevel.current_token()
+        if self._http is None or self._loop != loop:
+            # a client of another loop is left alone: its connections cannot be used, or
+            # closed, from this one (its loop's owner closes it, see the module docstring)
+            timeout = httpx.Timeout(self.cfg.timeout, connect=min(10.0, self.cfg.timeout))
+            pool = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+            self._http = httpx.AsyncClient(timeout=timeout, headers=self.headers, limits=pool)
+            self._loop = loop
+        return self._http
+
     async def _post(self, url: str, body: dict) -> bytes:
-        timeout = httpx.Timeout(self.cfg.timeout, connect=min(10.0, self.cfg.timeout))
-        last = ""
-        async with httpx.AsyncClient(timeout=timeout, headers=self.headers) as http:
-            for attempt in range(self.cfg.retries + 1):
-                if attempt:
-                    await anyio.sleep(min(0.25 * 2 ** (attempt - 1), 5.0))  # backoff between tries
-                try:
-                    r = await http.post(url, json=body)
-                except httpx.TimeoutException:
-                    last = f"no answer within {self.cfg.timeout:g}s"
-                    continue
-                except httpx.TransportError as e:
-                    last = f"cannot be reached: {e!r}"
-                    continue
-                if r.status_code == 200:
-                    return r.content
-                last = f"answered {r.status_code}: {r.text[:QUOTE]!r}"
-                if r.status_code in REFUSED_STATUS:
-                    raise RewardUnavailable(f"judge {url} {last}", refused=True)
-                if r.status_code not in RETRY_STATUS and r.status_code < 500:
-                    break  # 401, 404, ...: a misconfigured judge; retrying will not help
+        http, last = self._client(), ""
+        for attempt in range(self.cfg.retries + 1):
+            if attempt:
+                await anyio.sleep(min(0.25 * 2 ** (attempt - 1), 5.0))  # backoff between tries
+            try:
+                async with http.stream("POST", url, json=body) as r:
+                    status = r.status_code
+                    content = await _read(r, self.cfg.max_reply_bytes if status == 200 else QUOTE)
+            except httpx.TimeoutException:
+                last = f"no answer within {self.cfg.timeout:g}s"
+                continue
+            except httpx.TransportError as e:
+                last = f"cannot be reached: {e!r}"
+                continue
+            if status == 200:
+                return content
+            last = f"answered {status}: {content.decode('utf-8', 'replace')!r}"
+            if status in REFUSED_STATUS:
+                raise RewardUnavailable(f"judge {url} {last}", refused=True)
+            if status not in RETRY_STATUS and status < 500:
+                break  # 401, 404, ...: a misconfigured judge; retrying will not help
         tries = attempt + 1
         raise RewardUnavailable(f"judge {url} {last} ({tries} {'try' if tries == 1 else 'tries'})")
 
@@ -121,6 +151,24 @@ class Judge:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise _bad(raw, 'is not {"score": <finite number>}')
         return float(value)
+
+
+async def _read(r: httpx.Response, limit: int) -> bytes:
+    """The body as it streams in: a 200 larger than ``limit`` is refused before it is all
+    read (its Content-Length, else its bytes so far); other bodies are cut at ``limit``."""
+    too_large = f"is larger than reward.judge.max_reply_bytes = {limit}"
+    declared = r.headers.get("Content-Length", "")
+    if r.status_code == 200 and declared.isdigit() and int(declared) > limit:
+        raise EpisodeRejected("bad_reward", f"the judge's reply {too_large} (Content-Length {declared})")
+    chunks, size = [], 0
+    async for chunk in r.aiter_bytes():  # decoded: a compressed reply is capped as it expands
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            if r.status_code == 200:
+                raise EpisodeRejected("bad_reward", f"the judge's reply {too_large}")
+            break
+    return b"".join(chunks)[:limit]
 
 
 def _bad(reply: bytes | str, what: str) -> EpisodeRejected:

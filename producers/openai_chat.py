@@ -1,12 +1,20 @@
 """The OpenAI chat-completions API as the agent proxy (:mod:`producers.proxy`) speaks it.
 
 A request is checked against the schema before anything else (the reason names the field):
-an unknown key, ``n`` other than 1, ``stream``, empty messages or a ``max_tokens`` below 1
-are a 400. Content parts are joined as text; tool-call arguments sent back as JSON strings
+a field of the wrong type, ``n`` outside 1 to :data:`MAX_CHOICES`, empty messages or a
+``max_tokens`` below 1 are a 400; keys the proxy does not use (``temperature``, ...) are
+ignored. Content parts are joined as text; tool-call arguments sent back as JSON strings
 are parsed into objects before rendering, as templates that ``tojson`` them expect. With
 ``tools`` in a request, a completion's Hermes-style calls
 (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format of Qwen and many
 open models) come back as ``tool_calls``.
+
+The answer is a ``chat.completion`` with one choice per completion sampled, or with
+``stream: true`` the same as server-sent events (:func:`event_stream`): for each choice a
+``chat.completion.chunk`` with the role, one with the content, one with the tool calls (if
+any), one with the finish reason; then, with ``stream_options.include_usage``, a chunk with
+no choices and the usage; then ``data: [DONE]``. The whole completion is sampled before the
+first event is sent, so the content comes in one chunk.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from producers import httpd
 from streamer.rollout.contract import Completion
 
 MODEL = "streamer-policy"  # the model name the proxy reports (any name is accepted)
+MAX_CHOICES = 16  # the most choices (``n``) one call may ask for
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
@@ -39,6 +48,10 @@ class Message(msgspec.Struct, omit_defaults=True):
     tool_call_id: str | None = None
 
 
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
 class Request(msgspec.Struct):
     messages: list[Message]
     model: str = MODEL
@@ -47,6 +60,7 @@ class Request(msgspec.Struct):
     max_completion_tokens: int | None = None
     n: int = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
 class BadRequest(httpd.HTTPError):
@@ -59,10 +73,10 @@ def parse_request(body: bytes) -> Request:
         req = msgspec.json.decode(body, type=Request)
     except msgspec.DecodeError as e:
         raise BadRequest(400, f"bad request body: {e}") from None
-    if req.n != 1:
-        raise BadRequest(400, f"n must be 1 (each call samples one completion of the episode), not {req.n}")
-    if req.stream:
-        raise BadRequest(400, "stream is not supported")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise BadRequest(
+            400, f"n must be between 1 and {MAX_CHOICES} (choices sampled by one call), not {req.n}"
+        )
     if not req.messages:
         raise BadRequest(400, "messages is empty")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -113,22 +127,64 @@ def tool_calls(text: str) -> tuple[str, list[dict]]:
     return text[: text.index("<tool_call>")], calls
 
 
-def completion(req: Request, prompt: list[int], c: Completion, text: str) -> dict:
-    """The ``chat.completion`` answering ``req`` with completion ``c`` (decoded: ``text``)."""
+def completion(req: Request, prompt: list[int], choices: list[tuple[Completion, str]]) -> dict:
+    """The ``chat.completion`` answering ``req`` with ``choices``: each completion sampled
+    and its decoded text."""
+    out = []
+    for i, (c, text) in enumerate(choices):
+        message, finish = _message(req, c, text)
+        out.append({"index": i, "message": message, "finish_reason": finish, "logprobs": None})
+    return {**_head(req, "chat.completion"), "choices": out, "usage": _usage(prompt, choices)}
+
+
+def chunks(req: Request, prompt: list[int], choices: list[tuple[Completion, str]]) -> list[dict]:
+    """The ``chat.completion.chunk`` events of the same answer, as ``stream: true`` asks for
+    (module docstring)."""
+    head, out = _head(req, "chat.completion.chunk"), []
+    usage = req.stream_options is not None and req.stream_options.include_usage
+
+    def chunk(i: int, delta: dict, finish: str | None = None) -> dict:
+        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**head, "choices": [choice]} | ({"usage": None} if usage else {})
+
+    for i, (c, text) in enumerate(choices):
+        message, finish = _message(req, c, text)
+        out.append(chunk(i, {"role": "assistant", "content": ""}))
+        if message["content"]:
+            out.append(chunk(i, {"content": message["content"]}))
+        if "tool_calls" in message:
+            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            out.append(chunk(i, {"tool_calls": calls}))
+        out.append(chunk(i, {}, finish))
+    if usage:
+        out.append({**head, "choices": [], "usage": _usage(prompt, choices)})
+    return out
+
+
+def event_stream(events: list[dict]) -> bytes:
+    """``events`` as a ``text/event-stream`` body: one ``data:`` line each, then ``[DONE]``."""
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _message(req: Request, c: Completion, text: str) -> tuple[dict[str, Any], str]:
+    """The assistant message of completion ``c`` (decoded: ``text``) and its finish reason."""
     content, calls = tool_calls(text) if req.tools else (text, [])
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    finish = c.finish_reason
     if calls:
-        message["tool_calls"], finish = calls, "tool_calls"
+        message["tool_calls"] = calls
+        return message, "tool_calls"
+    return message, c.finish_reason
+
+
+def _head(req: Request, kind: str) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{secrets.token_hex(8)}",
-        "object": "chat.completion",
+        "object": kind,
         "created": int(time.time()),
         "model": req.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-        "usage": {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(c.token_ids),
-            "total_tokens": len(prompt) + len(c.token_ids),
-        },
     }
+
+
+def _usage(prompt: list[int], choices: list[tuple[Completion, str]]) -> dict[str, int]:
+    sampled = sum(len(c.token_ids) for c, _ in choices)
+    return {"prompt_tokens": len(prompt), "completion_tokens": sampled, "total_tokens": len(prompt) + sampled}

@@ -34,20 +34,20 @@ import time
 import anyio
 import redis
 
-from producers import shutdown
+from producers import rewards, shutdown
 from producers.components import build, load_rollout
-from producers.dataset import Order
 from producers.episodes import check_group, claimed_version, vocab_size
 from producers.follow import WeightFollower
 from producers.heartbeat import Heartbeat
 from producers.inflight import first_leaf, retrying
+from producers.mix import order_of
 from producers.outages import Outages, rollout_failure
 from producers.samplers import SamplerError
 from producers.stats import Pending, episode_values, group_values
 from producers.transport import Transport
 from producers.trips import Outcome, Trips
 from schemas import TrajectoryGroup
-from streamer import connection, lifecycle
+from streamer import connection, lifecycle, rows
 from streamer.admission import AGAIN, EXHAUSTED, NOTHING_TO_TEACH, WAIT, LeaseLost
 from streamer.config import RunConfig
 from streamer.connection import connect
@@ -86,7 +86,7 @@ class Producer:
         self.rollout_path = self.producer_cfg.rollout or DEFAULT_ROLLOUT
         self.keys = Keys(cfg.run.name)
         self.stop = stop or threading.Event()
-        self.order = Order(len(task.rows), seed=cfg.run.seed)
+        self.order = order_of(task.rows, seed=cfg.run.seed)  # weighted when several sources
         self.follower = WeightFollower.of_run(cfg, client, sampler, who=f"producer {producer_id}")
         self.vocab_size = vocab_size(task.renderer.tokenizer, sampler)
         self.pending = Pending()
@@ -121,6 +121,14 @@ class Producer:
     def run(self) -> int:
         """Produce until done or stopped; 0 on a clean stop."""
         self.client.set(self.keys.row_count, len(self.task.rows))  # for `streamer status`
+        brought_back, changed = rows.settle_settings(self.client, self.keys, rows.outcome_settings(self.cfg))
+        if changed:
+            log.warning(
+                "the settings rows were judged under changed (%s): every row record is forgotten, "
+                "%d rows set aside are active again",
+                "; ".join(changed),
+                brought_back,
+            )
         self._heartbeat.start()
         try:
             self.outages.wait_for_engine(self.sampler, self.task)
@@ -151,9 +159,12 @@ class Producer:
 
     async def _run(self) -> None:
         self.transport.start()
-        async with anyio.create_task_group() as tg:
-            for _ in range(self.producer_cfg.concurrency):
-                tg.start_soon(self._worker)
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(self.producer_cfg.concurrency):
+                    tg.start_soon(self._worker)
+        finally:  # what the reward holds in this loop (a judge's HTTP client) ends with it
+            await rewards.close(self.task.reward_fn)
 
     async def _worker(self) -> None:
         while not self.stop.is_set():
@@ -180,7 +191,10 @@ class Producer:
 
         async def one() -> Outcome:
             self.transport.start()
-            return await self._step()
+            try:
+                return await self._step()
+            finally:
+                await rewards.close(self.task.reward_fn)
 
         return anyio.run(one)
 
@@ -190,6 +204,7 @@ class Producer:
             claim = await self.transport.redis(self.trips.claim)
             ticket = claim.ticket
             if ticket == EXHAUSTED:
+                await self.transport.redis(self.trips.exhausted)
                 return Outcome.EXHAUSTED
             if ticket == WAIT:  # open leases elsewhere may still expire and come back
                 await anyio.sleep(min(1.0, self.producer_cfg.lease_seconds / 4))
@@ -257,6 +272,7 @@ class Producer:
             vocab_size=self.vocab_size,
             max_seq_len=self.cfg.trainer.max_seq_len,
             max_version=await self._newest_version(episodes),
+            max_forks=self.producer_cfg.max_forks,
         )
         for err in rejected:
             self.pending.add(f"episodes_dropped_{err.reason}")
@@ -367,7 +383,12 @@ def _seed(base: int, ticket: int) -> int:
 def main(cfg: RunConfig, args) -> int:
     producer_id = getattr(args, "id", None) or f"{socket.gethostname()}-{os.getpid()}"
     client = connect(
-        cfg.require_redis_url(), socket_timeout=cfg.bus.socket_timeout, name=f"producer-{producer_id}"
+        cfg.require_redis_url(),
+        socket_timeout=cfg.bus.socket_timeout,
+        name=f"producer-{producer_id}",
+        # every row in flight may call the server at once from a thread of its own (Transport),
+        # besides the heartbeat, the weight follower and the loop itself
+        max_connections=cfg.producer.concurrency + 16,
     )
     # a key of the wrong type (a string where the run keeps a stream): one line, now
     connection.retrying(

@@ -14,7 +14,8 @@ an ephemeral port, started on first use) with its own key. Every call is rendere
 the model's chat template (``tools`` included), sampled through the producer's sampler
 (``ctx.sample``: the run's temperature, top-p and seed, stamped with the version that
 sampled it; the request's sampling fields are ignored, since the trainer's importance
-weights assume the run's), recorded, and answered as a ``chat.completion``.
+weights assume the run's), recorded, and answered as a ``chat.completion``, or with
+``stream: true`` as its ``chat.completion.chunk`` events (:mod:`producers.openai_chat`).
 
 The proxy assembles the trajectory from the token ids it saw, never from the agent's
 text. A call whose prompt starts with every token of an earlier call's chain (prompt +
@@ -28,17 +29,27 @@ its forks (:attr:`Episode.forks`, counted as ``episode_forks``), each a sample o
 with the episode's reward and advantage. A sampled token carries weight only in the chain
 that sampled it; where a later chain's prompt repeats it, it is context.
 
-With ``tools`` in a request, a completion's Hermes-style calls come back as ``tool_calls``
-(:mod:`producers.openai_chat`, the API's requests and replies).
+A call with ``n`` > 1 (at most :data:`~producers.openai_chat.MAX_CHOICES`) samples its
+``n`` choices in one engine call, and each choice is a chain: the first folds in as a
+one-choice call does (it extends a chain, or starts one); each other starts a chain of its
+own, the call's prompt as context and the choice as its sampled turn (a sibling, not a
+divergence). The agent's next call extends whichever choice it went on with; the others
+stay forks. Every choice is trained, with the episode's reward: the agent was shown all
+``n``, and what it did next may depend on any of them, so each is part of the episode's
+probability under the policy, and of its policy gradient, chosen or not. Training only the
+kept choice would credit the policy with the agent's selection, as best-of-n does. Each
+choice past the first is one more sample of the group: ``producer.max_forks`` bounds them
+per episode, with the divergences.
 
 Bad requests get a 4xx with a reason (OpenAI's error shape), never a crash: a body that
-is not JSON or does not match the schema (the reason names the field), an unknown key,
-``n`` other than 1, ``stream``, messages the template cannot render, a prompt with no
-room left under ``trainer.max_seq_len`` (when that is 0: the tokenizer's
+is not JSON or does not match the schema (the reason names the field), ``n`` outside 1 to
+:data:`~producers.openai_chat.MAX_CHOICES`, messages the template cannot render, a prompt
+with no room left under ``trainer.max_seq_len`` (when that is 0: the tokenizer's
 ``model_max_length``, else :data:`MAX_PROMPT_TOKENS`), found before anything is sampled
 (and before rendering when the text has more characters than that many tokens hold). A
-failed engine call is a 502 to the agent, and the rollout then raises it to the producer
-(an engine outage, not the row's failure).
+failed engine call is a 502 to the agent (a stream too: nothing is sent before the
+sample), and the rollout then raises it to the producer (an engine outage, not the row's
+failure).
 
 The server is bounded (:mod:`producers.httpd`): the route and the episode's key are checked
 before the body is read, the body's declared length before that (at most :data:`MAX_BODY`);
@@ -50,6 +61,7 @@ hangs up is one debug line.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import secrets
 import threading
@@ -63,7 +75,15 @@ import anyio.lowlevel
 
 from producers import httpd
 from producers.httpd import JsonHandler
-from producers.openai_chat import MODEL, BadRequest, completion, parse_request, template_message
+from producers.openai_chat import (
+    MODEL,
+    BadRequest,
+    chunks,
+    completion,
+    event_stream,
+    parse_request,
+    template_message,
+)
 from streamer.errors import EpisodeRejected, PrefixMismatch, SamplerError
 from streamer.rollout.contract import Completion, Episode, Rollout, RolloutContext, episodes
 from streamer.rollout.trajectory import Trajectory
@@ -132,27 +152,39 @@ class Session:
         )
         self.lock = threading.Lock()  # an agent may send calls in parallel
 
-    def fold(self, prompt: list[int], completion: Completion) -> str:
-        """Record one call: "extended", "diverged" or "new" (see the module docstring)."""
+    def fold(self, prompt: list[int], choices: list[Completion]) -> str:
+        """Record one call and its choices: "extended", "diverged" or "new", what its first
+        choice did; each other choice starts a chain of its own (see the module docstring)."""
+        first, *others = choices
         with self.lock:
             self.calls += 1
-            shares_prompt = False
-            for chain in sorted(self.chains, key=lambda c: len(c.tokens), reverse=True):
-                try:
-                    chain.extend(prompt, completion)
-                except PrefixMismatch as e:
-                    shares_prompt |= e.index >= len(chain.segments[0].tokens)
-                    continue
-                self.last = chain
-                return "extended"
-            chain = Trajectory(prompt, max_trim_tokens=self.max_trim_tokens)
-            chain.extend(prompt, completion)
-            self.chains.append(chain)
+            how = self._fold(prompt, first)
+            for choice in others:  # after the first: a sibling is no chain the first could extend
+                self._chain(prompt, choice)
+            return how
+
+    def _fold(self, prompt: list[int], completion: Completion) -> str:
+        shares_prompt = False
+        for chain in sorted(self.chains, key=lambda c: len(c.tokens), reverse=True):
+            try:
+                chain.extend(prompt, completion)
+            except PrefixMismatch as e:
+                shares_prompt |= e.index >= len(chain.segments[0].tokens)
+                continue
             self.last = chain
-            if shares_prompt:
-                self.divergences += 1
-                return "diverged"
-            return "new"
+            return "extended"
+        self.last = self._chain(prompt, completion)
+        if shares_prompt:
+            self.divergences += 1
+            return "diverged"
+        return "new"
+
+    def _chain(self, prompt: list[int], completion: Completion) -> Trajectory:
+        """A new chain: ``prompt`` as its context, ``completion`` its first sampled turn."""
+        chain = Trajectory(prompt, max_trim_tokens=self.max_trim_tokens)
+        chain.extend(prompt, completion)
+        self.chains.append(chain)
+        return chain
 
     def episode(self, reward: float) -> Episode:
         """The trained episode: the chain of the last call, the other chains as its forks
@@ -170,9 +202,15 @@ class Session:
             ]
             return episode
 
-    async def sample(self, prompt: list[int], max_new_tokens: int) -> Completion:
-        (c,) = await self.ctx.sample(prompt, n=1, max_new_tokens=max_new_tokens)
-        return c
+    async def sample(self, prompt: list[int], max_new_tokens: int, n: int = 1) -> list[Completion]:
+        """``n`` completions of ``prompt``, in one engine call (as many calls of one would all
+        sample the episode's seed)."""
+        out = await self.ctx.sample(prompt, n=n, max_new_tokens=max_new_tokens)
+        if len(out) != n:
+            raise EpisodeRejected(
+                "malformed", f"the engine answered {len(out)} completions to a call for {n}"
+            )
+        return out
 
 
 class ProxyServer:
@@ -212,8 +250,9 @@ class ProxyServer:
             raise BadRequest(401, "unknown API key (each episode has its own; this one is over or never was)")
         return s
 
-    def complete(self, session: Session, body: bytes) -> dict:
-        """One chat completion: render, sample in the producer's loop, record, answer."""
+    def complete(self, session: Session, body: bytes) -> tuple[bytes, str]:
+        """One chat completion: render, sample in the producer's loop, record, answer (the
+        body and its content type)."""
         req = parse_request(body)
         messages = [template_message(m) for m in req.messages]
         renderer, ctx = session.ctx.task.renderer, session.ctx
@@ -232,16 +271,19 @@ class ProxyServer:
             raise BadRequest(400, f"the prompt is {len(prompt)} tokens: no room under {limit_name}")
         budget = min(budget, room)
         try:
-            c = anyio.from_thread.run(session.sample, prompt, budget, token=session.token)
+            sampled = anyio.from_thread.run(session.sample, prompt, budget, req.n, token=session.token)
         except (SamplerError, EpisodeRejected) as e:  # an outage, or an answer that cannot be trained
             session.engine_error = e
             raise BadRequest(502, f"the engine call failed: {e}") from None
         except RuntimeError as e:  # the episode's event loop is gone
             raise BadRequest(503, f"the episode is over: {e}") from None
-        how = session.fold(prompt, c)
+        how = session.fold(prompt, sampled)
         if how == "diverged":
             log.warning("proxy: a call re-tokenized an earlier turn; a new chain starts (counted)")
-        return completion(req, prompt, c, renderer.decode(c.token_ids))
+        choices = [(c, renderer.decode(c.token_ids)) for c in sampled]
+        if req.stream:
+            return event_stream(chunks(req, prompt, choices)), "text/event-stream"
+        return json.dumps(completion(req, prompt, choices)).encode(), "application/json"
 
 
 _server: ProxyServer | None = None
@@ -288,7 +330,7 @@ def _handler(proxy: ProxyServer):
                     self.close_connection = True
                     raise
                 body = self.read_body(MAX_BODY)
-                self.send_json(200, proxy.complete(session, body))
+                self.send_body(200, *proxy.complete(session, body))
             except httpd.HTTPError as e:
                 self._error(e.status, str(e))
             except httpd.GONE as e:  # the agent hung up or stalled: nothing to answer

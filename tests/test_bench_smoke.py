@@ -31,6 +31,7 @@ RATIO = re.compile(r"^ratios: (\S+=\d+\.\d\dx.*)$")
         ("producer_overhead.py", ["producer_vs_bare_per_group", "canned_producer_vs_bare_per_group"]),
         ("gpu_check.py", ["bf16_over_fp32_tokens_per_s"]),  # on CPU here: the checks' code runs
         ("packing.py", ["packed_vs_padded", "bucketed_vs_padded"]),
+        ("judge.py", ["no_judge_vs_judge_c1", "no_judge_vs_judge_c4"]),
     ],
 )
 def test_bench_quick_prints_ratios(script, expected):

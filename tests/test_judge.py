@@ -11,6 +11,7 @@ import anyio
 import pytest
 from contexts import context
 from producing import counters
+from waits import wait_until
 
 from producers import httpd
 from producers.components import build
@@ -34,6 +35,7 @@ class JudgeServer:
 
     def __init__(self, reply, *, hold: int = 1, hang: bool = False):
         self.requests: list[dict] = []
+        self.ports: set[int] = set()  # the client's port of each connection a request came on
         self.in_flight = self.max_in_flight = 0
         self.cond = threading.Condition()
         self.done = threading.Event()  # set at exit: hung requests let go
@@ -47,6 +49,7 @@ class JudgeServer:
                 body = json.loads(raw)
                 with judge.cond:
                     judge.requests.append(body)
+                    judge.ports.add(self.client_address[1])
                     judge.in_flight += 1
                     judge.max_in_flight = max(judge.max_in_flight, judge.in_flight)
                     judge.cond.notify_all()
@@ -190,6 +193,27 @@ def test_judge_requests_of_a_group_run_at_once_and_their_scores_are_the_rewards(
     row = task.rows[group.row]
     assert f"Reference answer: {row['answer']}" in message["content"]
     assert f"Question: {row['messages'][-1]['content']}" in message["content"]
+
+
+def test_a_producer_keeps_one_pooled_client_for_the_judge_and_closes_it_when_it_stops(
+    keys, redis_url, tmp_path, client
+):
+    from producers.judge import Judge
+
+    with JudgeServer(lambda body: chat("1")) as judge:
+        cfg = replace(_cfg(keys, redis_url, tmp_path, judge.url), producer={"max_groups": 4})
+        task, sampler = build(cfg)
+        assert isinstance(task.reward_fn, Judge) and task.reward_fn.concurrency == cfg.reward.concurrency
+        p = Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler)
+        assert p.run() == 0 and p.published == 4
+        assert len(judge.requests) == 4 * 2
+        assert len(judge.ports) <= 2, f"{len(judge.ports)} connections for 8 requests: not kept alive"
+        assert task.reward_fn._http is None, "the client is closed with the producer's loop"
+        wait_until(
+            lambda: judge.httpd.open == 0, timeout=10, what="the producer to close its judge connections"
+        )
+        assert p.step() == "published", "a closed judge makes a new client in the next loop"
+    assert len(judge.requests) == 5 * 2
 
 
 @pytest.mark.parametrize("failure", ["503", "unreachable", "slow"])
