@@ -73,7 +73,7 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _tree(pid: int) -> dict[int, tuple[str, float]]:
+def role_tree(pid: int) -> dict[int, tuple[str, float]]:
     """pid's descendants (and itself): pid -> (role, CPU seconds so far)."""
     stats = {}
     for d in Path("/proc").iterdir():
@@ -133,7 +133,7 @@ def system_side(steps: int, producers: int | None, workdir: Path, config: Path |
     reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
     reader.start()
     while proc.poll() is None:
-        for pid, (role, cpu) in _tree(proc.pid).items():
+        for pid, (role, cpu) in role_tree(proc.pid).items():
             old_role, old_cpu = seen.get(pid, ("", 0.0))
             seen[pid] = (role or old_role, max(cpu, old_cpu))  # an exited child has no cmdline
         time.sleep(0.25)
