@@ -5,7 +5,8 @@ and bad values are a :class:`ConfigError` naming the key (``$.trainer.lr``). Dur
 are seconds. The README's config reference is generated from these classes
 (``streamer config-doc``). This module holds the run-wide sections, :class:`RunConfig`
 and how a config is read, checked and overridden; the trainer's section is in
-``config_trainer``, the producers', evaluator's and rewards' in ``config_rollout``.
+``config_trainer``, the producers', evaluator's and rewards' in ``config_rollout``, the
+training rows' sources in ``config_dataset``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from streamer.config_base import NonNegFloat, NonNegInt, PosFloat, PosInt, Section
+from streamer.config_dataset import DatasetSection
 from streamer.config_rollout import EvalSection, EvalSetSection, ProducerSection, RewardSection
 from streamer.config_trainer import ADVANTAGE_NAMES, TrainerSection
 from streamer.errors import ConfigError
@@ -109,22 +111,51 @@ class ArchiveSection(Section):
             )
 
 
+_WANDB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
+
+
+class TrackingSection(Section):
+    """Experiment tracking (`streamer track`, started by `up` when a backend is set)."""
+
+    backend: Literal["", "tensorboard", "wandb"] = ""  # where the run's metrics go; "" = no tracking
+    dir: str = ""  # the tracker's files; empty = {run_dir}/tracking
+    project: str = "streamer"  # W&B project
+    entity: str = ""  # W&B team or user; empty = the account's default
+    name: str = ""  # W&B run display name; empty = the run name
+    id: str = ""  # W&B run id (a restart resumes it); empty = one made on the first start, kept in dir
+    mode: Literal["", "online", "offline"] = ""  # W&B mode; empty = wandb's own (WANDB_MODE, `wandb offline`)
+    samples_every: NonNegInt = 10  # a table of sampled completions every N policy versions; 0 = none
+    samples_per_table: PosInt = 16  # completions in each table (read from the rollout archive)
+    max_lag: PosInt = 100_000  # metrics entries it may fall behind before the exporter's trim passes it
+
+    def __post_init__(self) -> None:
+        if self.id and not _WANDB_ID.match(self.id):
+            raise ValueError(f"`id` {self.id!r}: use 1-64 letters, digits, '_', '.' or '-'")
+
+
 class RunConfig(Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     model: ModelSection = msgspec.field(default_factory=ModelSection)
     bus: BusSection = msgspec.field(default_factory=BusSection)
     producer: ProducerSection = msgspec.field(default_factory=ProducerSection)
+    dataset: DatasetSection = msgspec.field(default_factory=DatasetSection)
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
     weights: WeightsSection = msgspec.field(default_factory=WeightsSection)
     archive: ArchiveSection = msgspec.field(default_factory=ArchiveSection)
+    tracking: TrackingSection = msgspec.field(default_factory=TrackingSection)
     reward: RewardSection = msgspec.field(default_factory=RewardSection)
 
     def __post_init__(self) -> None:
         if bad := _non_finite(self):  # inf passes `gt=0`; an lr of inf publishes NaN weights
             key, value = bad
             raise ValueError(f"key `{key}`: must be a finite number, got {value}")
+        if self.dataset.sources and self.producer.dataset != ProducerSection().dataset:
+            raise ValueError(
+                f"key `producer.dataset`: is {self.producer.dataset!r}, but [[dataset.sources]] name the "
+                "training rows: list it as a source instead (or drop the sources)"
+            )
         if self.producer.reward == "judge" and not self.reward.judge.url:
             raise ValueError('key `reward.judge.url`: required when `producer.reward` = "judge"')
         builtin = self.trainer.advantage in ADVANTAGE_NAMES
@@ -161,12 +192,22 @@ class RunConfig(Section):
         return self.run_dir / "weights"  # one directory per policy version
 
     @property
+    def dataset_cache_dir(self) -> Path:
+        """Where datasets keeps the Arrow conversions: ``dataset.cache_dir``, else {data_dir}/datasets
+        (shared by the runs of a data dir: a file converted once serves them all)."""
+        return Path(self.dataset.cache_dir or Path(self.run.data_dir) / "datasets")
+
+    @property
     def checkpoint_dir(self) -> Path:
         return self.run_dir / "checkpoints"
 
     @property
     def log_dir(self) -> Path:
         return self.run_dir / "logs"
+
+    @property
+    def tracking_dir(self) -> Path:
+        return Path(self.tracking.dir) if self.tracking.dir else self.run_dir / "tracking"
 
     def require_redis_url(self) -> str:
         if not self.run.redis_url:
@@ -244,9 +285,10 @@ def replace(cfg: RunConfig, **sections: dict) -> RunConfig:
 
 
 def to_toml(tree: dict, prefix: str = "") -> str:
-    """``{section: {key: value}}`` (nested sections allowed, e.g. ``model.lora``) as TOML that
-    :func:`parse_config` reads back: strings escaped (a JSON string is a TOML basic string),
-    booleans, numbers, non-finite floats, lists. msgspec's TOML encoder would need tomli_w."""
+    """``{section: {key: value}}`` (nested sections allowed, e.g. ``model.lora``; a list of
+    tables is an array of tables, ``[[dataset.sources]]``) as TOML that :func:`parse_config`
+    reads back: strings escaped (a JSON string is a TOML basic string), booleans, numbers,
+    non-finite floats, lists. msgspec's TOML encoder would need tomli_w."""
 
     def value(v) -> str:
         if isinstance(v, float) and not math.isfinite(v):
@@ -257,12 +299,18 @@ def to_toml(tree: dict, prefix: str = "") -> str:
             return "[" + ", ".join(value(x) for x in v) + "]"
         return json.dumps(v)
 
-    flat = {k: v for k, v in tree.items() if not isinstance(v, dict)}
+    def tables(v) -> bool:
+        return isinstance(v, list | tuple) and bool(v) and all(isinstance(x, dict) for x in v)
+
+    flat = {k: v for k, v in tree.items() if not isinstance(v, dict) and not tables(v)}
     out = [f"[{prefix}]"] if prefix and flat else []
     out += [f"{k} = {value(v)}" for k, v in flat.items()]
     for k, v in tree.items():
+        name = f"{prefix}.{k}" if prefix else k
         if isinstance(v, dict):
-            out.append(to_toml(v, f"{prefix}.{k}" if prefix else k).rstrip("\n"))
+            out.append(to_toml(v, name).rstrip("\n"))
+        elif tables(v):  # nested tables inside an array's tables are not needed yet
+            out += [f"[[{name}]]\n" + to_toml(x).rstrip("\n") for x in v]
     return "\n".join(out) + "\n"
 
 

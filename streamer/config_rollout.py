@@ -10,10 +10,20 @@ import msgspec
 from schemas.metric_names import DEFAULT_EVAL_SET
 from streamer.config_base import NonNegFloat, NonNegInt, PosFloat, PosInt, Section
 
+# Upper bounds where a typo would cost a machine rather than a config error. A row's samples
+# are one batch of the sampler (10**9 of them ask for hundreds of GB at once). Each row,
+# engine request or reward call in flight may hold a thread and a socket of its own: at 256
+# each, a producer stays under the usual limit of 1,024 open files; past the thread limit it
+# cannot go on at all. More throughput than this: more producers.
+MAX_SAMPLES_PER_ROW = 1024
+MAX_IN_FLIGHT = 256
+SamplesPerRow = Annotated[int, msgspec.Meta(ge=1, le=MAX_SAMPLES_PER_ROW)]
+InFlight = Annotated[int, msgspec.Meta(ge=1, le=MAX_IN_FLIGHT)]
+
 
 class ProducerSection(Section):
-    dataset: str = "demo"  # JSONL file of prompts; "demo" = the built-in task
-    group_size: PosInt = 8  # completions per prompt (G)
+    dataset: str = "demo"  # JSONL/parquet/Arrow file, a directory of them, or hf:owner/name[:split]; "demo" = the built-in task; reasoning_gym:NAME / verifiers:ENV_ID = an environment's rows
+    group_size: SamplesPerRow = 8  # completions per prompt (G)
     min_group_size: PosInt = 2  # fewer good samples than this: the group is not published
     max_new_tokens: PosInt = 16  # completion length cap
     temperature: PosFloat = 1.0  # sampling temperature
@@ -23,7 +33,7 @@ class ProducerSection(Section):
     remote_model: str = ""  # model name sent to the server; empty = model.name_or_path
     remote_timeout: PosFloat = 120.0  # per HTTP request
     remote_retries: NonNegInt = 3  # bounded retries with backoff
-    remote_concurrency: PosInt = 8  # in-flight requests per producer
+    remote_concurrency: InFlight = 8  # in-flight requests per producer
     engine: Literal["vllm", "sglang", "openai"] = (
         "vllm"  # the remote server: how new versions reach it (docs/ENGINES.md)
     )
@@ -35,18 +45,19 @@ class ProducerSection(Section):
     remote_logprobs: Literal["", "raw", "processed"] = (
         ""  # what the server reports; "" = the engine's default
     )
-    reward: str = ""  # "module:function" (row, text, sample) -> float, maybe async; "judge" = [reward.judge]; "" = demo reward / exact_match
+    reward: str = ""  # "module:function" (row, text, sample) -> float, maybe async; "judge" = [reward.judge]; "math" = math-verify; "reasoning_gym" = the task's score_answer; "" = the dataset's default (demo reward / reasoning_gym / exact_match)
     lease_seconds: PosFloat = 60.0  # row lease; renewed while working, expired rows are re-issued
     epochs: NonNegInt = 0  # stop after this many passes over the dataset; 0 = forever
     max_groups: NonNegInt = 0  # stop after publishing this many groups; 0 = forever
     shutdown_grace: PosFloat = 30.0  # on SIGTERM: finish or hand back the current row within this
     torch_threads: NonNegInt = 0  # torch CPU threads of a local sampler; 0 = torch's default
-    rollout: str = ""  # "module:function" async (row, ctx) -> episodes, or a rollout service's http(s) URL; "" = single-turn
-    concurrency: PosInt = 1  # rollouts (rows) in flight at once, each with its own lease and admission slot
+    rollout: str = ""  # "module:function" async (row, ctx) -> episodes, a rollout service's http(s) URL, or "verifiers:ENV_ID"; "" = single-turn
+    concurrency: InFlight = 1  # rollouts (rows) in flight at once, each with its own lease and admission slot
     rollout_timeout: NonNegFloat = 0.0  # cancel a rollout running longer (its row is handed back); 0 = never
     max_reply_bytes: PosInt = (
         67_108_864  # (64 MiB) a rollout service's or engine's answer larger drops the rollout
     )
+    max_forks: PosInt = 64  # forks an episode may have (each one more sample of its group); more drops the episode (too_many_forks)
     max_row_attempts: NonNegInt = (
         3  # skip a row after this many failed rollouts (error, timeout, crash); 0 = never
     )
@@ -97,9 +108,11 @@ DEFAULT_SET = DEFAULT_EVAL_SET  # the eval set of the [eval] keys themselves
 class EvalSetSection(Section):
     """One named eval set, ``[eval.sets.NAME]``: its rows, sampling, rollout and reward."""
 
-    dataset: str = ""  # required: held-out JSONL, "demo" or "demo:TASK" (the built-in eval splits)
-    k: PosInt = 1  # samples per row, and the k of pass@k
-    samples: NonNegInt = 0  # completions per row n >= k for the unbiased pass@k; 0 = k
+    dataset: str = ""  # required: held-out rows as producer.dataset takes them, "demo" or "demo:TASK" (the built-in eval splits)
+    k: SamplesPerRow = 1  # samples per row, and the k of pass@k
+    samples: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAMPLES_PER_ROW)] = (
+        0  # completions per row n >= k for the unbiased pass@k; 0 = k
+    )
     temperature: NonNegFloat = 0.0  # sampling temperature; 0 = greedy (one sample per row)
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0  # nucleus sampling
     max_rows: NonNegInt = 0  # evaluate at most this many rows; 0 = all
@@ -109,7 +122,7 @@ class EvalSetSection(Section):
 
     def __post_init__(self) -> None:
         if not self.dataset:
-            raise ValueError("`dataset` is required: a JSONL path, or demo / demo:TASK")
+            raise ValueError("`dataset` is required: a file, a directory, hf:owner/name, or demo / demo:TASK")
         if self.samples and self.samples < self.k:
             raise ValueError(f"`samples` ({self.samples}) must be >= `k` ({self.k}), or 0 for k")
         if self.temperature == 0 and self.n > 1:
@@ -125,7 +138,7 @@ class EvalSetSection(Section):
 
 
 class EvalSection(Section):
-    dataset: str = "demo"  # held-out JSONL; "demo" = the built-in task's eval split; "" = only eval.sets
+    dataset: str = "demo"  # held-out rows as producer.dataset takes them (a hub name: its test split); "demo" = the built-in task's eval split; "" = only eval.sets
     eval_every: PosInt = 1  # evaluate every k-th version
     max_rows: NonNegInt = 0  # evaluate at most this many rows; 0 = all
     max_new_tokens: PosInt = 16  # completion length cap (and of the sets that leave theirs 0)
@@ -167,12 +180,15 @@ class JudgeSection(Section):
     max_tokens: PosInt = 16  # reply length cap of a chat judge
     timeout: PosFloat = 60.0  # seconds per HTTP request to the judge
     retries: NonNegInt = 3  # more tries after an unreachable judge, a 429/5xx or a timeout (backoff)
+    max_reply_bytes: PosInt = (
+        1_048_576  # (1 MiB) a larger reply is not read on: the rollout is dropped (bad_reward)
+    )
 
 
 class RewardSection(Section):
     """How reward functions are awaited: async ones (the judge too) run concurrently."""
 
-    concurrency: PosInt = 32  # async reward calls in flight at once per producer
+    concurrency: InFlight = 32  # async reward calls in flight at once per producer
     timeout: NonNegFloat = (
         300.0  # seconds per async reward call, retries included (past it: an outage); 0 = none
     )
