@@ -429,10 +429,11 @@ def main(cfg: RunConfig, args: argparse.Namespace | None = None) -> int:
     nproc = getattr(args, "nproc", 1) or 1
     if nproc > 1 and distributed.world()[1] == 1:  # `--nproc N` outside torchrun: start it
         distributed.launch(nproc, distributed.without_nproc(sys.argv[1:]))
-    stop, finishing = threading.Event(), threading.Event()
+    stop, finishing = threading.Event(), lifecycle.finish_requested
     doing = "finishing the current step, then a final checkpoint"
     previous = lifecycle.on_stop_signals(stop, "trainer", doing, orphan_grace=lifecycle.TRAINER_ORPHAN_GRACE)
-    # `up`, when its producers are done: train every group that arrived, then stop
+    # `up`, when its producers are done: train every group that arrived, then stop (a signal
+    # that came before this line was kept by streamer.__main__)
     finish_handler = signal.signal(signal.SIGUSR1, lambda *_: finishing.set())
     _quiet_transformers()
     dp: DataParallel | None = None

@@ -13,6 +13,9 @@ import sys
 def run() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        from streamer import lifecycle
+
+        lifecycle.take_finish_signal()  # `up`'s "the producers are done", kept until the trainer reads it
         from streamer.cli import main
 
         return main()

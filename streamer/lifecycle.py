@@ -110,6 +110,16 @@ def on_stop_signals(
     return previous
 
 
+# SIGUSR1: `up` tells the trainer its producers are done (train what arrived, then stop). Taken
+# from a process's first line (streamer.__main__), so one that comes while the trainer still
+# loads is kept, not the default action (the end of the process).
+finish_requested = threading.Event()
+
+
+def take_finish_signal() -> None:
+    signal.signal(signal.SIGUSR1, lambda *_: finish_requested.set())
+
+
 def restore_signals(previous: dict) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
