@@ -169,13 +169,16 @@ def test_a_streamed_tool_call_comes_back_as_tool_call_deltas_the_client_assemble
 
     @proxied
     async def agent(row, endpoint):
-        async with (
-            _client(endpoint) as client,
-            client.chat.completions.stream(
-                model=endpoint.model, messages=row["messages"], tools=TOOLS
-            ) as stream,
-        ):
-            seen["reply"] = await stream.get_final_completion()  # the client's own assembly of the deltas
+        from openai.lib.streaming.chat import ChatCompletionStreamState
+
+        state = ChatCompletionStreamState()  # the client's own assembly of the deltas
+        async with _client(endpoint) as client:
+            chunks = await client.chat.completions.create(
+                model=endpoint.model, messages=row["messages"], tools=TOOLS, stream=True
+            )
+            async for chunk in chunks:
+                state.handle_chunk(chunk)
+        seen["reply"] = state.get_final_completion()
         return 1.0
 
     (ep,) = anyio.run(agent, ROW, _ctx(task, sampler))

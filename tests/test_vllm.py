@@ -325,12 +325,13 @@ def test_every_token_knows_the_version_that_sampled_it_with_requests_in_flight(
         for t in threads:
             t.start()
         flights = sampler.server._flights
-        wait_until(lambda: len(flights) == len(prompts), timeout=60, what="every request in flight")
-        if mode != "drain":  # tokens are streaming in
+        # requests may end before the last one goes out (the CPU engine is fast): the reload
+        # comes once one is in flight (drain) or streaming tokens (keep, abort)
+        if mode == "drain":
+            wait_until(lambda: flights, timeout=60, what="a request in flight")
+        else:
             wait_until(
-                lambda: all(f.chunks > 0 for f in list(flights.values())),
-                timeout=60,
-                what="tokens streaming",
+                lambda: any(f.chunks > 0 for f in list(flights.values())), timeout=60, what="tokens streaming"
             )
         sampler.server.ensure(new, lambda: sampler.reload(directory), engine=sampler)
         for t in threads:
@@ -338,8 +339,8 @@ def test_every_token_knows_the_version_that_sampled_it_with_requests_in_flight(
         assert all(isinstance(o, list) for o in out), out
         seen = _check_stamps(out, prompts, models)
         spanned = sum(c.switches is not None for cs in out for c in cs)
-        if mode == "drain":  # each request under one version: the one it started with
-            assert seen == {old} and spanned == 0
+        if mode == "drain":  # each request under one version: those in flight the old, later ones the new
+            assert old in seen and spanned == 0, (seen, spanned)
         else:  # the reload landed mid-request: tokens of both versions, each stamped right
             assert seen == {old, new} and spanned > 0, (seen, spanned)
         # the same prompts again: the new version's, none of the old weights' prefix cache
