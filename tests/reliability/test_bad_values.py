@@ -11,16 +11,18 @@ import subprocess
 import sys
 
 import pytest
+import redis
 from harness import report, run_config_in
 from trainer_data import REPO, make_group, publish
 from waits import wait_until
 
 from consumers.archive import Archiver
 from streamer import demo
+from streamer.bus import as_str
 from streamer.cli.progress import Progress
 from streamer.config import RunConfig, replace
 from streamer.connection import connect
-from streamer.keys import Keys
+from streamer.keys import TRAINER_GROUP, Keys
 
 pytestmark = pytest.mark.slow
 
@@ -117,6 +119,14 @@ def _running_trainer(server, procs, tmp_path) -> tuple:
         timeout=180,
         what="the trainer to announce its first version",
         watch=procs,
+    )
+    # and its feed to hold its group on the trajectory stream (it creates the stream if missing)
+    wait_until(
+        lambda: any(as_str(g["name"]) == TRAINER_GROUP for g in client.xinfo_groups(keys.traj)),
+        timeout=60,
+        what="the trainer's group on the trajectory stream",
+        watch=procs,
+        ignore=(redis.exceptions.ResponseError,),
     )
     return client, keys
 
