@@ -38,6 +38,7 @@ import httpx
 import msgspec
 
 from producers.rewards import final_number
+from producers.rollout_service import read_capped
 from streamer.config_rollout import JudgeSection
 from streamer.errors import ConfigError, EpisodeRejected, RewardUnavailable
 
@@ -154,21 +155,8 @@ class Judge:
 
 
 async def _read(r: httpx.Response, limit: int) -> bytes:
-    """The body as it streams in: a 200 larger than ``limit`` is refused before it is all
-    read (its Content-Length, else its bytes so far); other bodies are cut at ``limit``."""
-    too_large = f"is larger than reward.judge.max_reply_bytes = {limit}"
-    declared = r.headers.get("Content-Length", "")
-    if r.status_code == 200 and declared.isdigit() and int(declared) > limit:
-        raise EpisodeRejected("bad_reward", f"the judge's reply {too_large} (Content-Length {declared})")
-    chunks, size = [], 0
-    async for chunk in r.aiter_bytes():  # decoded: a compressed reply is capped as it expands
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            if r.status_code == 200:
-                raise EpisodeRejected("bad_reward", f"the judge's reply {too_large}")
-            break
-    return b"".join(chunks)[:limit]
+    too_large = f"the judge's reply is larger than reward.judge.max_reply_bytes = {limit}"
+    return await read_capped(r, limit, reason="bad_reward", too_large=too_large)
 
 
 def _bad(reply: bytes | str, what: str) -> EpisodeRejected:

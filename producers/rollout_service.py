@@ -111,22 +111,27 @@ async def _post(url: str, body: dict, *, timeout: float, max_bytes: int) -> tupl
         raise SamplerError(f"rollout service {url} cannot be reached: {e!r}") from None
 
 
-async def _read(r: httpx.Response, limit: int) -> bytes:
+async def read_capped(r: httpx.Response, limit: int, *, reason: str, too_large: str) -> bytes:
     """The body as it streams in: a 200 larger than ``limit`` is refused before it is all
-    read (its Content-Length, else its bytes so far); other bodies are cut at ``limit``."""
+    read (its Content-Length, else its bytes so far) as :class:`EpisodeRejected` with
+    ``reason`` and ``too_large``; other bodies are cut at ``limit``."""
     declared = r.headers.get("Content-Length", "")
-    too_large = f"the reply is larger than producer.max_reply_bytes = {limit}"
     if r.status_code == 200 and declared.isdigit() and int(declared) > limit:
-        raise EpisodeRejected("malformed", f"{too_large} (Content-Length {declared})")
+        raise EpisodeRejected(reason, f"{too_large} (Content-Length {declared})")
     chunks, size = [], 0
     async for chunk in r.aiter_bytes():  # decoded: a compressed reply is capped as it expands
         chunks.append(chunk)
         size += len(chunk)
         if size > limit:
             if r.status_code == 200:
-                raise EpisodeRejected("malformed", too_large)
+                raise EpisodeRejected(reason, too_large)
             break
-    return b"".join(chunks)
+    return b"".join(chunks)[:limit]
+
+
+async def _read(r: httpx.Response, limit: int) -> bytes:
+    too_large = f"the reply is larger than producer.max_reply_bytes = {limit}"
+    return await read_capped(r, limit, reason="malformed", too_large=too_large)
 
 
 def _text(content: bytes) -> str:
