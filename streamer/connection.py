@@ -108,7 +108,9 @@ def connect(
     commands the client may have in flight at once, from as many threads (None: redis-py's
     default, 100 on recent versions; past it a command fails with "Too many connections").
     Transient errors are retried a bounded number of times with jittered exponential
-    backoff; longer outages are the caller's to wait out (see :func:`retrying`). With
+    backoff, so a command to a stalled server raises within about 4 x ``socket_timeout``
+    (no health-check PING: its own retries would nest inside each reconnect's, for over 30 s
+    at 2 s); longer outages are the caller's to wait out (see :func:`retrying`). With
     ``check``, the server is pinged and its version checked, raising :class:`ServerError`
     with one clear line.
     """
@@ -138,7 +140,6 @@ def connect(
             socket_connect_timeout=min(5.0, socket_timeout),
             retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3),
             retry_on_error=list(TRANSIENT),
-            health_check_interval=30,
             client_name=name,
             protocol=2,  # RESP2 on every redis-py version and server (the shapes we parse)
             **({"max_connections": max_connections} if max_connections else {}),

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
+import time
 
 import pytest
+import redis
 
 from streamer.connection import connect, redact
 from streamer.errors import ConfigError, ServerError
@@ -95,3 +99,21 @@ def test_embedded_server_that_cannot_start_says_why(tmp_path):
         clash = EmbeddedServer(tmp_path / "b", port=first.port)
         with pytest.raises(ServerError, match="exited with code"):
             clash.start(timeout=10)
+
+
+def test_a_command_to_a_stalled_server_raises_within_its_retries(private_valkey):
+    """A stalled server (SIGSTOP) answers nothing: a command on a connection it has yet to
+    make raises after the client's few retries rather than hanging on for the outage, so
+    the caller can say so (a heartbeat, a producer's loop)."""
+    client = connect(private_valkey.url, socket_timeout=1.0, check=False)  # no connection yet
+    os.kill(private_valkey.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(redis.exceptions.TimeoutError):
+            client.set("k", 1)
+        took = time.monotonic() - start
+    finally:
+        os.kill(private_valkey.proc.pid, signal.SIGCONT)
+    # 4 tries of 1 s and their backoff; nested health-check retries made it over 16 s
+    assert took < 10.0, f"the command took {took:.1f}s to fail"
+    assert client.set("k", 2)  # and the same client carries on once the server does
