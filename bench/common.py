@@ -12,6 +12,8 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -501,3 +503,75 @@ def stop_processes(procs, grace: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+# ---------------------------------------------------------------- CPU of child processes, by role
+
+TICK = os.sysconf("SC_CLK_TCK")
+ROLE = re.compile(r" -m streamer (?:--log-level \S+ )?(\w+)")
+ROLE_EVERY = 0.25  # seconds between two readings of every descendant's CPU from /proc
+
+
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's children that have been waited for,
+    every descendant of theirs included."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def role_tree(pid: int) -> dict[int, tuple[str, float]]:
+    """pid's descendants (and itself): pid -> (role, CPU seconds so far)."""
+    stats = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            f = stat.rpartition(")")[2].split()
+            stats[int(d.name)] = (int(f[1]), cmd, (int(f[11]) + int(f[12])) / TICK)
+    out, frontier = {}, {pid}
+    while frontier:
+        for p in frontier:
+            if p in stats:
+                _, cmd, cpu = stats[p]
+                m = ROLE.search(cmd)
+                role = m.group(1) if m else ("valkey" if "valkey" in cmd else Path(cmd.split(" ")[0]).name)
+                role = "" if not cmd.strip() else role
+                out[p] = (role, cpu)
+        frontier = {p for p, (pp, _, _) in stats.items() if pp in frontier and p not in out}
+    return out
+
+
+def run_by_role(argv: list[str], env: dict[str, str]) -> tuple[int, str, float, dict[str, float]]:
+    """Run ``argv`` to its end, its stdout and stderr captured together. Returns its exit
+    code, its output, the CPU seconds of it and every descendant (exact: counted once it is
+    waited for) and those seconds by process role (each process's last reading from /proc
+    before it exits, so a role misses at most the last ``ROLE_EVERY`` s of each process)."""
+    before = children_cpu()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: dict[int, tuple[str, float]] = {}
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        for pid, (role, cpu) in role_tree(proc.pid).items():
+            old_role, old_cpu = seen.get(pid, ("", 0.0))
+            seen[pid] = (role or old_role, max(cpu, old_cpu))  # an exited child has no cmdline
+        time.sleep(ROLE_EVERY)
+    reader.join(10)
+    cpu = children_cpu() - before
+    roles: dict[str, float] = {}
+    for role, seconds in seen.values():
+        roles[role] = roles.get(role, 0.0) + seconds
+    return proc.returncode, "".join(out), cpu, roles
+
+
+def print_roles(roles: dict[str, float], versions: int) -> None:
+    """``roles`` (role -> CPU s) as a table, the most first: CPU s, share, CPU s per version."""
+    total = sum(roles.values()) or 1.0
+    print_table(
+        ["role", "CPU s", "share", "CPU s / version"],
+        [[r, s, f"{s / total:.0%}", s / versions] for r, s in sorted(roles.items(), key=lambda kv: -kv[1])],
+    )

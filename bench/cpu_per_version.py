@@ -49,11 +49,9 @@ import argparse
 import os
 import random
 import re
-import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -64,38 +62,6 @@ import common as C
 GOAL = 1.2
 # --model-size: (hidden, layers, learning rate or None for the demo's) of the demo model
 SIZES = {"298k": (128, 2, None), "2.4M": (256, 4, 3e-5)}
-TICK = os.sysconf("SC_CLK_TCK")
-ROLE = re.compile(r" -m streamer (?:--log-level \S+ )?(\w+)")
-
-
-def _children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def role_tree(pid: int) -> dict[int, tuple[str, float]]:
-    """pid's descendants (and itself): pid -> (role, CPU seconds so far)."""
-    stats = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            f = stat.rpartition(")")[2].split()
-            stats[int(d.name)] = (int(f[1]), cmd, (int(f[11]) + int(f[12])) / TICK)
-    out, frontier = {}, {pid}
-    while frontier:
-        for p in frontier:
-            if p in stats:
-                _, cmd, cpu = stats[p]
-                m = ROLE.search(cmd)
-                role = m.group(1) if m else ("valkey" if "valkey" in cmd else Path(cmd.split(" ")[0]).name)
-                role = "" if not cmd.strip() else role
-                out[p] = (role, cpu)
-        frontier = {p for p, (pp, _, _) in stats.items() if pp in frontier and p not in out}
-    return out
 
 
 def model_config_file(hidden: int, layers: int, workdir: Path, lr: float | None = None) -> Path:
@@ -126,25 +92,11 @@ def system_side(steps: int, producers: int | None, workdir: Path, config: Path |
     argv += ["--producers", str(producers)] if producers else []
     argv += ["--data-dir", str(workdir), "--fresh", "--no-progress"]
     argv += ["--config", str(config)] if config else []
-    before, start = _children_cpu(), time.monotonic()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: dict[int, tuple[str, float]] = {}
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
-    reader.start()
-    while proc.poll() is None:
-        for pid, (role, cpu) in role_tree(proc.pid).items():
-            old_role, old_cpu = seen.get(pid, ("", 0.0))
-            seen[pid] = (role or old_role, max(cpu, old_cpu))  # an exited child has no cmdline
-        time.sleep(0.25)
-    reader.join(10)
-    cpu, wall = _children_cpu() - before, time.monotonic() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"streamer up exited {proc.returncode}:\n{''.join(out[-30:])}")
-    roles: dict[str, float] = {}
-    for role, seconds in seen.values():
-        roles[role] = roles.get(role, 0.0) + seconds
-    text = "".join(out)
+    start = time.monotonic()
+    code, text, cpu, roles = C.run_by_role(argv, env)
+    wall = time.monotonic() - start
+    if code != 0:
+        raise SystemExit(f"streamer up exited {code}:\n{''.join(text.splitlines(keepends=True)[-30:])}")
     groups = _count(r"groups published +(\d+)", text)
     # fewer than asked when the producers found nothing left to teach and `up` ended the run
     versions = _count(r"steps trained +(\d+)", text)
@@ -170,7 +122,7 @@ def bare_side(steps: int, config: Path | None, timeout: float) -> dict:
     """The bare loop for ``steps`` versions; stopped after ``timeout`` seconds (late in a run
     its steps draw ever more zero-variance groups), then counted up to the step it reached."""
     env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": "1"}
-    before, start = _children_cpu(), time.monotonic()
+    before, start = C.children_cpu(), time.monotonic()
     argv = [sys.executable, __file__, "--bare-child", str(steps)] + (
         ["--config", str(config)] if config else []
     )
@@ -184,7 +136,7 @@ def bare_side(steps: int, config: Path | None, timeout: float) -> dict:
     if not done:
         raise SystemExit(f"the bare loop finished no step within {timeout:g} s")
     return {
-        "cpu": _children_cpu() - before,
+        "cpu": C.children_cpu() - before,
         "wall": time.monotonic() - start,
         "versions": int(done[-1][0]),
         "asked": steps,
@@ -366,13 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     from streamer.cli.up import cores  # here, not at the top: the bare child imports this file
 
     print(f"the system ran {systems[-1]['producers']} producer(s) on {cores()} cores")
-    total = sum(system["roles"].values()) or 1.0
-    parts = sorted(system["roles"].items(), key=lambda kv: -kv[1])
-    print("system CPU by process role (from /proc, every 0.25 s):")
-    C.print_table(
-        ["role", "CPU s", "share", "CPU s / version"],
-        [[r, s, f"{s / total:.0%}", s / system["versions"]] for r, s in parts],
-    )
+    print(f"system CPU by process role (from /proc, every {C.ROLE_EVERY:g} s):")
+    C.print_roles(system["roles"], system["versions"])
     ratio = _ratio(system, bare)
     name = "cpu_per_version_system_vs_bare"
     # per group drawn: the same ratio without how many groups each side's trajectory drew

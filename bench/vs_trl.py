@@ -34,7 +34,7 @@ first; ``--rounds`` repeats the seeds (this VM's speed drifts over minutes). The
     python bench/vs_trl.py --quick              # smoke run: seed 0, target 0.1, 20 versions
 
 TRL is a bench-only dependency (``pip install -e .[bench]``); without it the script says so
-and exits 0.
+and exits 0 (``--only streamer`` needs none).
 """
 
 from __future__ import annotations
@@ -44,12 +44,9 @@ import importlib.util
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,11 +54,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C
 
 GOAL = 1.2  # streamer's CPU to held-out 0.8 over TRL's
-
-
-def _children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def _first_at(evals: dict[int, float], target: float) -> int | None:
@@ -75,7 +67,6 @@ def streamer_side(seed: int, target: float, steps: int, workdir: Path, overrides
     """``streamer up --until-eval target`` of the demo with ``run.seed = seed`` and
     ``overrides`` (section -> {key: value})."""
     import msgspec
-    from cpu_per_version import role_tree
 
     from streamer import demo
     from streamer.config import replace, write_toml
@@ -87,29 +78,13 @@ def streamer_side(seed: int, target: float, steps: int, workdir: Path, overrides
     env.pop("OMP_NUM_THREADS", None)  # `up` sets it as it would for a user
     argv = [sys.executable, "-m", "streamer", "up", "--config", str(config), "--steps", str(steps)]
     argv += ["--until-eval", str(target), "--data-dir", str(workdir), "--fresh", "--no-progress"]
-    before = _children_cpu()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: dict[int, tuple[str, float]] = {}
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
-    reader.start()
-    while proc.poll() is None:
-        for pid, (role, cpu) in role_tree(proc.pid).items():
-            old_role, old_cpu = seen.get(pid, ("", 0.0))
-            seen[pid] = (role or old_role, max(cpu, old_cpu))
-        time.sleep(0.25)
-    reader.join(10)
-    cpu = _children_cpu() - before
-    text = "".join(out)
-    if proc.returncode != 0:
-        raise SystemExit(f"streamer up exited {proc.returncode}:\n{text[-3000:]}")
+    code, text, cpu, roles = C.run_by_role(argv, env)
+    if code != 0:
+        raise SystemExit(f"streamer up exited {code}:\n{text[-3000:]}")
     curve = json.loads((workdir / cfg.run.name / "curve.json").read_text())
     evals = {int(v): a for v, a in curve["eval_accuracy_by_version"].items()}
     groups = {int(v): n for v, n in curve["groups_by_version"].items()}
     reached = _first_at(evals, target)
-    roles: dict[str, float] = {}
-    for role, seconds in seen.values():
-        roles[role] = roles.get(role, 0.0) + seconds
     g = cfg.producer.group_size
     return {
         "cpu": cpu,
@@ -128,9 +103,9 @@ def trl_side(seed: int, target: float, steps: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, __file__, "--trl-child", str(seed), "--target", str(target)]
     argv += ["--steps", str(steps)]
-    before = _children_cpu()
+    before = C.children_cpu()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-    cpu = _children_cpu() - before
+    cpu = C.children_cpu() - before
     if proc.returncode != 0:
         raise SystemExit(
             f"the TRL side exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
@@ -299,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or demo.STEPS
     if args.trl_child is not None:
         return trl_child(args.trl_child, args.target, steps)
-    if importlib.util.find_spec("trl") is None:
+    if args.only != "streamer" and importlib.util.find_spec("trl") is None:
         print("vs_trl: TRL is not installed (pip install -e '.[bench]'): nothing measured")
         return 0
     if args.quick:
@@ -347,13 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in streamers:
         for role, seconds in s["roles"].items():
             roles[role] = roles.get(role, 0.0) + seconds
-    versions = sum(s["versions"] for s in streamers) or 1
-    total = sum(roles.values()) or 1.0
-    print("streamer CPU by process role (from /proc, every 0.25 s), all runs:")
-    C.print_table(
-        ["role", "CPU s", "share", "CPU s / version"],
-        [[k, v, f"{v / total:.0%}", v / versions] for k, v in sorted(roles.items(), key=lambda kv: -kv[1])],
-    )
+    print(f"streamer CPU by process role (from /proc, every {C.ROLE_EVERY:g} s), all runs:")
+    C.print_roles(roles, sum(s["versions"] for s in streamers) or 1)
     both = [(s, x) for _, s, x in runs if s["reached"] is not None and x["reached"] is not None]
     print(f"runs where both sides reached {t}: {len(both)} of {len(runs)}")
     for seed, s, x in runs:

@@ -13,6 +13,7 @@ from streamer import cli
 from streamer.bus import FIELD, Publisher
 from streamer.config import RunConfig
 from streamer.connection import connect
+from streamer.errors import DataError
 from streamer.keys import Keys
 from streamer.readmodel.health import snapshot
 from streamer.server import EmbeddedServer
@@ -115,6 +116,23 @@ def test_idle_run_is_not_stalled_and_a_run_without_versions_is(client, keys):
         assert snapshot(client, fresh, stall_seconds=100).stalled is False
     finally:
         client.delete(fresh.traj)
+
+
+@pytest.mark.parametrize("name", ["limits", "policy", "producers", "version"])
+def test_a_key_of_the_wrong_type_is_named_with_the_type_it_should_hold(client, keys, redis_url, capsys, name):
+    key = getattr(keys, name)
+    want = keys.types()[key]
+    if want == "string":
+        client.rpush(key, "a", "list")
+    else:
+        client.set(key, "a string")
+    got = "list" if want == "string" else "string"
+    line = f"{key} is a {got}, where this run keeps a {want}; fix or delete the key (`DEL {key}`)"
+    with pytest.raises(DataError) as e:
+        snapshot(client, keys)  # as the exporter reads it
+    assert str(e.value) == line
+    assert cli.main(["status", "--redis-url", redis_url, "--run", keys.run]) == 1
+    assert capsys.readouterr().err == f"streamer status: {line}\n"
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from streamer.bus import as_str, entry_event, group_lag
 from streamer.connection import TRANSIENT
 from streamer.keys import TRAINER_GROUP, Keys
 from streamer.rows import from_replies
-from streamer.values import DataError, parse_int
+from streamer.values import DataError, parse_int, wrong_type
 
 
 def checkpoint_names(root) -> list[str]:
@@ -162,7 +162,8 @@ QUERIES: dict[str, Query] = {
 
 
 def read(client: redis.Redis, keys: Keys, *, now: float, dead_last: int = 5) -> dict:
-    """Every query's reply by name, in one round trip; a key that cannot be read is named."""
+    """Every query's reply by name, in one round trip; a key that cannot be read is named,
+    with the type it holds and the type the run keeps there."""
     pipe = client.pipeline(transaction=False)
     for q in QUERIES.values():
         getattr(pipe, q.command)(getattr(keys, q.key), **q.args(now, dead_last))
@@ -172,7 +173,9 @@ def read(client: redis.Redis, keys: Keys, *, now: float, dead_last: int = 5) -> 
             raise r
         if isinstance(r, Exception) and not _missing(r):
             key = getattr(keys, QUERIES[name].key)
-            raise DataError(f"{key} cannot be read ({r}); fix or delete it (`DEL {key}`)")
+            raise wrong_type(client, {key: keys.types()[key]}, r) or DataError(
+                f"{key} cannot be read ({r}); fix or delete it (`DEL {key}`)"
+            )
     return replies
 
 
@@ -202,11 +205,8 @@ def snapshot(
         r["requeued"],
     )
     parse_int(r["version"], keys.version, default=0)  # not shown, but a bad one is named here too
-    limits = {
-        as_str(k): parse_int(v, f"{keys.limits} {as_str(k)}")
-        for k, v in _hash(r["limits"], keys.limits).items()
-    }
-    marker = {as_str(k): as_str(v) for k, v in _hash(r["marker"], keys.run_marker).items()}
+    limits = {as_str(k): parse_int(v, f"{keys.limits} {as_str(k)}") for k, v in r["limits"].items()}
+    marker = {as_str(k): as_str(v) for k, v in r["marker"].items()}
     syncs = _decode_rows(r["syncs"], WeightSync)
     snap = Snapshot(
         run=keys.run,
@@ -230,8 +230,7 @@ def snapshot(
         admission_limit=_admission_limit(limits),
         waiting_groups=_waiting(streams[0]),
         rejected_since_step={
-            as_str(k): parse_int(v, keys.rejected_since_step)
-            for k, v in _hash(r["rejected"], keys.rejected_since_step).items()
+            as_str(k): parse_int(v, keys.rejected_since_step) for k, v in r["rejected"].items()
         },
         trainer_state=marker.get("trainer", ""),
         steps_skipped=parse_int(marker.get("steps_skipped"), f"{keys.run_marker} steps_skipped", default=0),
@@ -239,7 +238,7 @@ def snapshot(
         skipped_last={as_str(k): as_str(v) for k, v in list(r["skipped_some"][1].items())[:SHOWN_SKIPPED]},
         problems={
             who: f"{p.what} ({age(max(0.0, now - p.at))} ago)"
-            for who, p in sorted(problems.parse(_hash(r["problems"], keys.problems)).items())
+            for who, p in sorted(problems.parse(r["problems"]).items())
         },
         rows_total=counts.total,
         rows_solved=counts.solved,
@@ -316,12 +315,6 @@ def _admission_limit(limits: dict[str, int]) -> int | None:
     if not {"max_staleness", "groups_per_step"} <= limits.keys():
         return None  # no trainer has published its limits yet
     return admission_limit(limits["max_staleness"], limits["groups_per_step"])
-
-
-def _hash(value, key: str) -> dict:
-    if isinstance(value, Exception):  # a key of the wrong type: name it
-        raise DataError(f"{key} cannot be read as a hash ({value}); fix or delete it (`DEL {key}`)")
-    return value or {}
 
 
 def _waiting(traj: StreamInfo) -> int:
