@@ -117,10 +117,10 @@ def unpooled(cfg):
     from producers.judge import Judge
 
     class Unpooled(Judge):
-        async def _post(self, url: str, body: dict) -> bytes:
+        async def _post(self, body: bytes) -> bytes:
             once = Judge(self.cfg, concurrency=1)  # its own client, for this request alone
             try:
-                return await once._post(url, body)
+                return await once._post(body)
             finally:
                 await once.aclose()
 

@@ -36,6 +36,7 @@ class JudgeServer:
     def __init__(self, reply, *, hold: int = 1, hang: bool = False):
         self.requests: list[dict] = []
         self.ports: set[int] = set()  # the client's port of each connection a request came on
+        self.paths: list[str] = []  # each request's target (absolute when sent to a proxy)
         self.in_flight = self.max_in_flight = 0
         self.cond = threading.Condition()
         self.done = threading.Event()  # set at exit: hung requests let go
@@ -49,6 +50,7 @@ class JudgeServer:
                 body = json.loads(raw)
                 with judge.cond:
                     judge.requests.append(body)
+                    judge.paths.append(self.path)
                     judge.ports.add(self.client_address[1])
                     judge.in_flight += 1
                     judge.max_in_flight = max(judge.max_in_flight, judge.in_flight)
@@ -299,3 +301,132 @@ def test_judge_scores_the_evaluators_sets_too(keys, redis_url, tmp_path, client)
         assert Evaluator(cfg, client=client, task=task, sampler=sampler).run() == 0
     (event,) = [decode(f[b"d"], MetricsEvent) for _, f in client.xrange(keys.metrics)]
     assert event.values["reward_mean"] == 0.25 and len(judge.requests) == 3
+
+
+def _judge(url: str, **judge):
+    from producers.judge import Judge
+    from streamer.config_rollout import JudgeSection
+
+    return Judge(JudgeSection(url=url, model="judge-1", retries=0, **judge), concurrency=4)
+
+
+def _scores(judge, calls: int) -> list[float]:
+    """``calls`` judge calls one after another in one event loop, then the judge closed."""
+
+    async def main():
+        try:
+            return [await judge(ROW, "5") for _ in range(calls)]
+        finally:
+            await judge.aclose()
+
+    return anyio.run(main)
+
+
+@pytest.mark.parametrize("closes", ["after_reply", "on_next_request"])
+def test_a_pooled_connection_the_judge_closed_is_replaced_not_an_outage(closes):
+    """A judge that closes a keep-alive connection (its idle timeout) without saying so: the
+    client sees the end of file on the idle socket, or, closed as the next request arrives,
+    sends that request once more on a new connection. No retry is configured: none is used."""
+
+    class Server(JudgeServer):
+        def __init__(self):
+            super().__init__(lambda body: chat("0.5"))
+            self.unanswered = 0
+            handler = self.httpd.RequestHandlerClass
+            server = self
+
+            class Closing(handler):
+                answered = False
+
+                def do_POST(self):
+                    if self.answered and closes == "on_next_request":
+                        self.rfile.read(int(self.headers["Content-Length"]))
+                        server.unanswered += 1
+                        self.close_connection = True  # read, never answered
+                        return
+                    super().do_POST()
+                    self.answered = True
+                    self.close_connection = closes == "after_reply"  # no "Connection: close" sent
+
+            self.httpd.RequestHandlerClass = Closing
+
+    with Server() as judge:
+        assert _scores(_judge(judge.url), 3) == [0.5, 0.5, 0.5]
+    assert len(judge.requests) == 3 and len(judge.ports) == 3
+    if closes == "on_next_request":
+        assert judge.unanswered == 2, "each reused connection was closed as it was asked"
+
+
+def _self_signed(tmp_path):
+    """A certificate for localhost and 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "judge.pem", tmp_path / "judge.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_file, key_file
+
+
+def test_judge_over_https_keeps_its_connection_and_verifies_the_server(tmp_path, monkeypatch):
+    import ssl
+
+    cert_file, key_file = _self_signed(tmp_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert_file, key_file)
+    with JudgeServer(lambda body: chat("Score: 0.75")) as judge:
+        judge.httpd.socket = tls.wrap_socket(judge.httpd.socket, server_side=True)
+        url = f"https://localhost:{judge.httpd.server_address[1]}/v1"  # the name the certificate has
+        with pytest.raises(RewardUnavailable, match="cannot be reached: .*CERTIFICATE_VERIFY_FAILED"):
+            _scores(_judge(url), 1)  # certifi's roots do not know this certificate
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert_file))
+        assert _scores(_judge(url), 3) == [0.75, 0.75, 0.75]
+    assert len(judge.requests) == 3 and len(judge.ports) == 1, "one kept-alive TLS connection"
+
+
+def test_judge_url_must_be_http_or_https():
+    for url in ("judge.local:8000/v1", "ftp://judge.local/v1", "https://user:key@judge.local/v1"):
+        with pytest.raises(ConfigError, match=r"`reward.judge.url` = .*: give http\(s\)://host"):
+            _judge(url)
+
+
+def test_judge_goes_through_the_environments_proxy(monkeypatch):
+    """HTTP_PROXY is used, NO_PROXY respected: the stub stands in for the proxy and sees the
+    judge's absolute URL."""
+    with JudgeServer(lambda body: chat("0.25")) as proxy:
+        monkeypatch.setenv("http_proxy", proxy.url.removesuffix("/v1"))
+        monkeypatch.setenv("no_proxy", "")
+        assert _scores(_judge("http://judge.invalid:8000/v1"), 2) == [0.25, 0.25]
+        assert proxy.paths == ["http://judge.invalid:8000/v1/chat/completions"] * 2
+        monkeypatch.setenv("no_proxy", "127.0.0.1")
+        assert _scores(_judge(proxy.url), 1) == [0.25]  # dialled directly
+        assert proxy.paths[-1] == "/v1/chat/completions"
