@@ -73,16 +73,15 @@ class ArchiveTail:
     def _read(self) -> list[dict]:
         if self._broken:
             return []
+        data = bytearray()
         try:
             if self._file is None:
                 self._file = open(self.path, "rb")  # noqa: SIM115 - kept open between reads
-            data = bytearray()
             while chunk := self._file.read(READ_BYTES):
-                data += self._inflated(chunk)
-        except (OSError, zlib.error) as e:
+                self._inflate_into(data, chunk)
+        except (OSError, zlib.error) as e:  # the lines decoded before it still count
             log.warning("cannot read archive file %s (%s): skipping the rest of it", self.path.name, e)
             self._broken = True
-            return []
         lines = (self._partial + bytes(data)).split(b"\n")
         self._partial = lines.pop()
         out = []
@@ -93,13 +92,13 @@ class ArchiveTail:
                 log.warning("archive file %s has a line that is not JSON: skipped", self.path.name)
         return out
 
-    def _inflated(self, chunk: bytes) -> bytes:
-        """Decompress across gzip members (a restarted archiver appends a new one)."""
-        out = self._inflate.decompress(chunk)
+    def _inflate_into(self, data: bytearray, chunk: bytes) -> None:
+        """Decompress across gzip members (a restarted archiver appends a new one); what
+        decodes before an error is kept."""
+        data += self._inflate.decompress(chunk)
         while self._inflate.eof and (rest := self._inflate.unused_data):
             self._inflate = zlib.decompressobj(31)
-            out += self._inflate.decompress(rest)
-        return out
+            data += self._inflate.decompress(rest)
 
     def _close(self) -> None:
         if self._file is not None:

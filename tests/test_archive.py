@@ -7,10 +7,15 @@ import errno
 import gzip
 import json
 import logging
+import os
+import queue
 import random
+import signal
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -24,6 +29,8 @@ from streamer import cli, demo
 from streamer.bus import FIELD, entry, trim_acked
 from streamer.config import RunConfig, replace
 from streamer.keys import ARCHIVE_GROUP, TRAINER_GROUP
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(keys, redis_url, tmp_path, **archive) -> RunConfig:
@@ -156,6 +163,127 @@ def test_dead_lists_reasons_and_replays_one(client, keys, redis_url, tmp_path, c
     assert cli.main(["dead", *_args(cfg, "--replay", dead_id)]) == 0
     assert client.xrange(keys.traj)[-1][1][FIELD] == raw
     assert cli.main(["dead", *_args(cfg, "--replay", "9-9")]) == 2
+
+
+def _group_line(n: int) -> str:
+    """A group as the archiver writes it (consumers.archive.record), reduced to what `samples` prints."""
+    completion = {"text": f"c{n}", "reward": 1.0, "advantage": 0.5, "version": 0, "finish_reason": "stop"}
+    rec = {"id": f"{n}-0", "row": n, "producer": "p", "policy_version": 0, "verdict": "accepted"}
+    return json.dumps({**rec, "published_at": 1.7e9, "prompt": f"prompt {n}", "completions": [completion]})
+
+
+class _Follow:
+    """`streamer samples --follow` in its own process; its output read on a thread, as it comes."""
+
+    def __init__(self, cfg: RunConfig):
+        argv = [sys.executable, "-m", "streamer", "samples", "--follow", "--last", "1"]
+        self.proc = subprocess.Popen(
+            [*argv, "--run", cfg.run.name, "--data-dir", cfg.run.data_dir],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.out: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def __enter__(self) -> _Follow:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, group: int, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while f"== {group}-0 " not in "".join(self.out):
+            try:
+                self.out.append(self.lines.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                ended = (
+                    ""
+                    if self.proc.poll() is None
+                    else f", exited {self.proc.returncode}: {self.proc.stderr.read()}"
+                )
+                pytest.fail(
+                    f"no group {group} from `samples --follow` within {timeout} s{ended}; it printed:\n{''.join(self.out)}"
+                )
+
+    def interrupt(self) -> tuple[list[str], str]:
+        """Ctrl-C: the ids of the groups it printed, and its stderr."""
+        self.proc.send_signal(signal.SIGINT)
+        assert self.proc.wait(20) == 0
+        self.reader.join(10)
+        while not self.lines.empty():
+            self.out.append(self.lines.get())
+        heads = [line.split()[1] for line in self.out if line.startswith("== ")]
+        return heads, self.proc.stderr.read()
+
+
+def test_a_follow_prints_each_group_appended_after_it_started_once_in_order(tmp_path):
+    cfg = replace(RunConfig(), run={"name": "follow", "data_dir": str(tmp_path / "data")})
+    directory = archive_dir(cfg)
+    writer = RotatingWriter(directory, file_bytes=1 << 20, max_bytes=1 << 30)
+    writer.write([_group_line(0), _group_line(1)])
+    writer.close()
+    with _Follow(cfg) as follow:
+        follow.wait_for(1)
+        with gzip.open(directory / "rollouts-000001.jsonl.gz", "ab") as f:  # a new gzip member
+            f.write((_group_line(2) + "\n").encode())
+        writer = RotatingWriter(directory, file_bytes=1 << 20, max_bytes=1 << 30)
+        writer.write([_group_line(3)])  # a new file, its gzip member still being written
+        follow.wait_for(3)
+        writer.write([_group_line(4)])
+        follow.wait_for(4)
+        writer.close()
+        RotatingWriter(directory, file_bytes=1, max_bytes=1 << 30).write([_group_line(5)])  # another file
+        follow.wait_for(5)
+        heads, err = follow.interrupt()
+        assert heads == ["1-0", "2-0", "3-0", "4-0", "5-0"], err
+        assert err == ""
+
+
+def test_a_follow_reads_on_past_a_pruned_file_and_a_corrupt_one(tmp_path, capsys, caplog):
+    cfg = replace(RunConfig(), run={"name": "follow", "data_dir": str(tmp_path / "data")})
+    directory = archive_dir(cfg)
+
+    def new_file(*groups: int) -> None:
+        RotatingWriter(directory, file_bytes=1, max_bytes=1 << 30).write([_group_line(n) for n in groups])
+
+    new_file(0)
+    with _Follow(cfg) as follow:
+        follow.wait_for(0)
+        new_file(1, 2)
+        (directory / "rollouts-000001.jsonl.gz").unlink()  # pruned, as the archiver prunes, while followed
+        follow.wait_for(2)
+        with open(directory / "rollouts-000002.jsonl.gz", "ab") as f:
+            f.write(b"not gzip\n")
+        new_file(3)
+        follow.wait_for(3)
+        heads, err = follow.interrupt()
+        assert heads == ["0-0", "1-0", "2-0", "3-0"], err
+        assert len(err.splitlines()) == 1, err
+        assert "cannot read archive file rollouts-000002.jsonl.gz" in err and "skipping the rest of it" in err
+    with open(directory / "rollouts-000003.jsonl.gz", "ab") as f:
+        f.write(b"not gzip\n")
+    assert cli.main(["samples", "--run", cfg.run.name, "--data-dir", cfg.run.data_dir, "--last", "9"]) == 0
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("== ")] == [
+        "1-0",
+        "2-0",
+        "3-0",
+    ]
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "cannot read archive file rollouts-000003.jsonl.gz",
+        "cannot read archive file rollouts-000002.jsonl.gz",
+    ]
 
 
 def test_trimming_passes_an_archiver_that_lags_more_than_max_lag(client, keys):

@@ -12,8 +12,10 @@ A run that does not exist is one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
+import logging
 import re
 import sys
 import time
@@ -22,11 +24,14 @@ from datetime import datetime
 from pathlib import Path
 
 from consumers.archive import PATTERN, archive_dir
+from consumers.sample_tables import ArchiveTail
 from schemas import DeadLetter, DecodeError
 from streamer.bus import FIELD, as_str, entry_event
 from streamer.config import RunConfig
 from streamer.connection import connect, redact
 from streamer.keys import Keys
+
+log = logging.getLogger(__name__)
 
 FOLLOW_POLL = 1.0
 ENTRY_ID = re.compile(r"^\d+-\d+\Z")
@@ -43,16 +48,17 @@ return {1, id}
 """
 
 
-def read_lines(path: Path, skip: int = 0) -> list[str]:
-    """The complete lines of a gzip file that may still be being written."""
+def file_records(path: Path) -> list[dict]:
+    """The records of an archive file the archiver has moved past: its complete JSON lines,
+    up to a corrupt or cut-off end if it has one."""
     out = []
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if i >= skip and line.endswith("\n"):
-                    out.append(line)
-    except (EOFError, zlib.error, OSError):
-        pass  # the file's end is not written yet (or it was rotated away): what we have
+            for line in f:
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line))
+    except (EOFError, zlib.error, OSError) as e:  # the lines before it still count
+        log.warning("cannot read archive file %s (%s): skipping the rest of it", path.name, e)
     return out
 
 
@@ -96,33 +102,28 @@ def samples_main(cfg: RunConfig, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    recent: list[str] = []
-    for f in reversed(files):  # newest first, until enough
-        recent = read_lines(f) + recent
+    tail = ArchiveTail(directory, files[-1])
+    recent = tail.records()  # the newest file, and any the archiver started since
+    for f in reversed(files[:-1]):  # older, complete ones, newest first, until enough
         if len(recent) >= args.last:
             break
-    for line in recent[-args.last :]:
-        _print(line, args.min_reward)
+        recent = file_records(f) + recent
+    for rec in recent[-args.last :]:
+        _print(rec, args.min_reward)
     if not args.follow:
         return 0
-    seen = {files[-1]: len(read_lines(files[-1]))}
     try:
         while True:
             time.sleep(FOLLOW_POLL)
-            for f in sorted(directory.glob(PATTERN)):
-                if f >= files[-1]:
-                    new = read_lines(f, skip=seen.get(f, 0))
-                    seen[f] = seen.get(f, 0) + len(new)
-                    for line in new:
-                        _print(line, args.min_reward)
-            files = sorted(directory.glob(PATTERN)) or files
+            for rec in tail.records():  # only what was appended since
+                _print(rec, args.min_reward)
     except KeyboardInterrupt:
         return 0
 
 
-def _print(line: str, min_reward: float | None) -> None:
+def _print(rec: dict, min_reward: float | None) -> None:
     try:
-        text = format_group(json.loads(line), min_reward=min_reward)
+        text = format_group(rec, min_reward=min_reward)
     except (ValueError, KeyError, TypeError):
         return
     if text:
