@@ -19,16 +19,17 @@ reply is read as it streams in, never past ``max_reply_bytes`` (a larger ``Conte
 is refused from the headers): a larger one is such an answer too (``bad_reward``).
 
 A judge keeps one pooled HTTP client per event loop (an aiohttp session: keep-alive
-connections, at most ``reward.concurrency`` of them; ``https`` verified as the engine's
-client verifies, ``SSL_CERT_FILE`` honoured; ``HTTP(S)_PROXY`` used), made on the first call
-in that loop: an async client belongs to the loop that opened its connections. aiohttp and
-not httpx: httpx's pool looks at every pooled connection each time a request starts or
-ends, ~1.5 ms of CPU a request with a group's 16 in flight against aiohttp's ~0.2 ms
-(``bench/judge.py``). A kept-alive connection the judge closed as a request arrived is
-asked once more on a new one, outside ``retries``: a judge's score does not change when
-asked twice. Whoever runs the loop closes it at the
-loop's end (:meth:`Judge.aclose`, through :func:`producers.rewards.close`): the producer
-when it stops, the evaluator after each row's rewards.
+connections, at most ``reward.concurrency`` of them; ``https`` verified against certifi's
+roots, or ``SSL_CERT_FILE``; ``HTTP(S)_PROXY`` and ``NO_PROXY`` honoured), made on the first
+call in that loop: an async client belongs to the loop that opened its connections. Whoever
+runs the loop closes it at the loop's end (:meth:`Judge.aclose`, through
+:func:`producers.rewards.close`): the producer when it stops, the evaluator after each row's
+rewards. A kept-alive connection the judge closed as a request arrived is asked once more on
+a new one, outside ``retries``: a judge's score does not change when asked twice.
+
+aiohttp and not httpx: httpx's pool looks at every pooled connection each time a request
+starts or ends, ~1.5 ms of CPU a request with a group's 16 in flight, against aiohttp's
+~0.2 ms (``bench/judge.py``).
 """
 
 from __future__ import annotations
