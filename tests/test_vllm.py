@@ -255,7 +255,7 @@ def test_vllm_evaluator_samples_through_the_engine_and_scores_what_a_local_model
 
 
 # requests in flight at a reload (producer.inflight_updates)
-NEW_TOKENS = 160  # long enough for a reload to land mid-request
+NEW_TOKENS = 400  # long enough for a reload to land mid-request even on a quiet machine
 IN_FLIGHT = 8
 
 
