@@ -12,6 +12,9 @@ Sides, alternated repeat by repeat:
                   flight at once over the judge's pooled client
     judge, a client per call   (``--unpooled``) the same with a new HTTP client for every
                   request: what the pool saves
+    wait only     an async reward that waits ``--latency`` and grades as the demo reward
+                  does: the judge's latency alone, no HTTP, through the same
+                  ``reward.concurrency`` slots
 
 The stub is an asyncio server in a process of its own: it shares no interpreter lock with
 the producer, and its CPU per request is small next to the client's (on a 2-core machine it
@@ -19,10 +22,12 @@ still shares the cores). Each side runs ``--groups`` groups a repeat, after a wa
 of each; groups/s is groups over the wall time of ``Producer.run``. A ratio is the median
 over repeats of no-judge groups/s over judge groups/s, per rows in flight (goal: <= 1.5).
 With one row in flight the judge's latency adds to every group; with more, other rows
-sample while one waits for its scores.
+sample while one waits for its scores, as far as ``reward.concurrency`` (the config's 32, or
+``--reward-concurrency``) lets a group's G calls of every row wait at once.
 
     python bench/judge.py                 # 60 groups a side, 3 repeats (~1 minute)
     python bench/judge.py --unpooled      # also the client-per-call side (slow)
+    python bench/judge.py --concurrency 8 --reward-concurrency 128   # latency hidden
     python bench/judge.py --quick         # smoke run (seconds)
 """
 
@@ -160,10 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         help="producer.concurrency (rows in flight), comma separated",
     )
     ap.add_argument("--unpooled", action="store_true", help="also the side with a client per request")
+    ap.add_argument(
+        "--reward-concurrency", type=int, default=0, help="reward.concurrency (default: the config's)"
+    )
     args = C.parse_args(ap, argv, quick="8 groups, 1 repeat", groups=8, repeats=1)
 
     import dataclasses
 
+    import anyio
     import torch
 
     from producers.components import build, load_reward
@@ -186,11 +195,19 @@ def main(argv: list[str] | None = None) -> int:
             bus={"max_unacked": 1_000_000},
             reward={"judge": {"url": stub.url, "model": "stub", "retries": 0}},
         )
+        if args.reward_concurrency:
+            cfg = replace(cfg, reward={"concurrency": args.reward_concurrency})
         task, sampler = build(cfg)
         judged = replace(cfg, producer={"reward": "judge"})
         rewards = {"no judge": task.reward_fn, "judge": load_reward(judged, "judge")}
         if args.unpooled:
             rewards["judge, a client per call"] = unpooled(judged)
+
+        async def wait_only(row, text, sample=None):
+            await anyio.sleep(args.latency)
+            return demo.reward(row, text)
+
+        rewards["wait only"] = wait_only
         tasks = {k: dataclasses.replace(task, reward_fn=fn, reward_path=k) for k, fn in rewards.items()}
         sides = [(c, k) for c in args.concurrency for k in tasks]
         for c, k in sides:  # model, scripts and connections warm before timing
@@ -203,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     n = args.groups
     print(
         f"demo model in-process, G={cfg.producer.group_size}, stub judge {1000 * args.latency:g} ms a request, "
-        f"{n} groups a side, {args.repeats} repeats (medians; ratios: medians of paired repeats)"
+        f"reward.concurrency {cfg.reward.concurrency}, {n} groups a side, {args.repeats} repeats "
+        "(medians; ratios: medians of paired repeats)"
     )
     C.print_table(
         ["rows in flight", "side", "groups/s", "ms/group", "process CPU ms/group"],
@@ -218,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         name = f"no_judge_vs_judge_c{c}"
         ratios[name] = paired(runs[c, "judge"], runs[c, "no judge"])
         goals[name] = f"goal <= {GOAL:g}: {'met' if ratios[name] <= GOAL else 'NOT met'}"
+        ratios[f"no_judge_vs_wait_only_c{c}"] = paired(runs[c, "wait only"], runs[c, "no judge"])
         if args.unpooled:
             ratios[f"pooled_vs_client_per_call_c{c}"] = paired(
                 runs[c, "judge, a client per call"], runs[c, "judge"]
