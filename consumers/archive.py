@@ -316,12 +316,4 @@ class Archiver:
 
 def main(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Archive until SIGTERM/SIGINT (exit 0)."""
-    stop = threading.Event()
-    previous = lifecycle.on_stop_signals(stop, "archiver")
-    archiver = Archiver(cfg)
-    try:
-        archiver.run(stop)
-    finally:
-        archiver.close()
-        lifecycle.restore_signals(previous)
-    return 0
+    return lifecycle.run_role("archiver", lambda: Archiver(cfg))

@@ -248,12 +248,4 @@ class Tracker:
 
 def main(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Track until SIGTERM/SIGINT (exit 0)."""
-    stop = threading.Event()
-    previous = lifecycle.on_stop_signals(stop, "tracker")
-    tracker = Tracker(cfg)
-    try:
-        tracker.run(stop)
-    finally:
-        tracker.close()
-        lifecycle.restore_signals(previous)
-    return 0
+    return lifecycle.run_role("tracker", lambda: Tracker(cfg))

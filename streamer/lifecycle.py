@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,20 @@ def take_finish_signal() -> None:
 def restore_signals(previous: dict) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
+
+
+def run_role(what: str, make: Callable[[], Any]) -> int:
+    """A role's ``main``: the stop handlers, then ``make()``'s object (with ``run(stop)`` and
+    ``close()``) run until SIGTERM/SIGINT and closed; exit 0."""
+    stop = threading.Event()
+    previous = on_stop_signals(stop, what)
+    role = make()
+    try:
+        role.run(stop)
+    finally:
+        role.close()
+        restore_signals(previous)
+    return 0
 
 
 class QuietStdout:
