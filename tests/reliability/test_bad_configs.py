@@ -60,6 +60,17 @@ def _cases(tmp_path):
             yield role, "flag", flags, f"streamer {role}: config error: command line: ", expect
 
 
+def _not_one_line(proc, *, code: int, prefix: str, expect: str, hidden: str = "") -> str | None:
+    """None when ``proc`` exited ``code`` with one line on stderr that starts with ``prefix``
+    and holds ``expect`` (and ``hidden`` appears nowhere in its output); else what it did."""
+    out, err = proc.communicate(timeout=RUN)
+    lines = err.strip().splitlines()
+    one = len(lines) == 1 and lines[0].startswith(prefix) and expect in lines[0]
+    if proc.returncode == code and one and not (hidden and hidden in out + err):
+        return None
+    return f"exit {proc.returncode} (want {code}), stderr:\n{err[-1500:]}"
+
+
 def test_every_role_names_the_key_and_exits_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cases = list(_cases(tmp_path))
@@ -89,11 +100,8 @@ def test_every_role_names_the_key_and_exits_2(tmp_path):
     ]
     failures = []
     for (role, kind, _, prefix, expect), proc in running:
-        _, err = proc.communicate(timeout=RUN)
-        lines = err.strip().splitlines()
-        ok = proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(prefix) and expect in lines[0]
-        if not ok:
-            failures.append(f"{role} / {kind}: exit {proc.returncode}, stderr:\n{err[-1500:]}")
+        if (wrong := _not_one_line(proc, code=2, prefix=prefix, expect=expect)) is not None:
+            failures.append(f"{role} / {kind}: {wrong}")
     report(
         "bad-configs",
         roles=len(ROLES),
@@ -177,11 +185,9 @@ def test_every_role_says_in_one_line_what_is_wrong_with_its_server_url(private_v
     ]
     failures = []
     for (role, url, code, expect), proc in zip(cases, running, strict=True):
-        out, err = proc.communicate(timeout=RUN)
-        lines = err.strip().splitlines()
-        ok = proc.returncode == code and len(lines) == 1 and lines[0].startswith(f"streamer {role}: ")
-        if not (ok and expect in lines[0] and "s3cr" not in out + err):
-            failures.append(f"{role} {url}: exit {proc.returncode} (want {code}), stderr:\n{err[-1500:]}")
+        wrong = _not_one_line(proc, code=code, prefix=f"streamer {role}: ", expect=expect, hidden="s3cr")
+        if wrong is not None:
+            failures.append(f"{role} {url}: {wrong}")
     report(
         "bad-server-urls",
         roles=len(URL_ROLES),

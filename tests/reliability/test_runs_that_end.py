@@ -171,9 +171,7 @@ def test_rows_set_aside_under_a_broken_config_come_back_once_it_is_fixed(private
     assert checkpoint.latest(ckpt_dir)[1].step == 4
 
     # the same config again, rows set aside by hand: `streamer rows reset` brings them back
-    for row in range(aside.total):
-        client.hset(keys.rows, row, "9,0,0.000")
-        client.sadd(keys.rows_unsolvable, row)
+    _set_aside(client, keys, aside.total)
     shown = _streamer("rows", "--config", str(good), "--redis-url", url, timeout=60)
     assert f"0 active, 0 solved, {aside.total} unsolvable" in shown.stdout, shown.stdout + shown.stderr
     reset = _streamer("rows", "reset", "--config", str(good), "--redis-url", url, timeout=60)
@@ -185,6 +183,13 @@ def test_rows_set_aside_under_a_broken_config_come_back_once_it_is_fixed(private
     report("rows_come_back", rows=aside.total, set_aside_by_broken_config=aside.unsolvable + aside.solved)
 
 
+def _set_aside(client, keys: Keys, total: int) -> None:
+    """Rows 0 .. total - 1 set aside by hand, as unsolvable."""
+    for row in range(total):
+        client.hset(keys.rows, row, "9,0,0.000")
+        client.sadd(keys.rows_unsolvable, row)
+
+
 def test_up_reset_rows_brings_back_rows_set_aside(private_valkey, tmp_path):
     url, keys = private_valkey.url, Keys("reset")
     client = connect(url)
@@ -192,9 +197,7 @@ def test_up_reset_rows_brings_back_rows_set_aside(private_valkey, tmp_path):
     first = _up(config, url, "--steps", "1")
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
     total = int(client.get(keys.row_count))
-    for row in range(total):  # every row set aside, with the same config
-        client.hset(keys.rows, row, "9,0,0.000")
-        client.sadd(keys.rows_unsolvable, row)
+    _set_aside(client, keys, total)  # every row, with the same config
     again = _up(config, url, "--steps", "2", "--reset-rows")
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert f"{total} rows set aside are active again" in again.stdout, again.stdout
