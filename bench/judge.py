@@ -10,6 +10,9 @@ Sides, alternated repeat by repeat:
                   judge that answers each request after a fixed ``--latency`` (default
                   20 ms) and grades as the demo reward does; a group's G requests are in
                   flight at once over the judge's pooled client
+    judge, a group a request   ``kind = "batch"`` against the same stub's scoring
+                  endpoint, which answers a group's G completions in one reply after the
+                  same ``--latency``: one request a group
     judge, a client per call   (``--unpooled``) the same with a new HTTP client for every
                   request: what the pool saves
     wait only     an async reward that waits ``--latency`` and grades as the demo reward
@@ -70,11 +73,19 @@ def serve_stub(latency: float, ports, stop) -> None:
                 )
                 length = {k.strip().lower(): v.strip() for k, v in fields.items()}["content-length"]
                 body = json.loads(await reader.readexactly(int(length)))
-                found = GRADED.search(body["messages"][0]["content"])
-                right = found is not None and found.group(2).strip()[:1] == found.group(1).strip()
-                await asyncio.sleep(latency)  # the judge model's time to answer
-                message = {"role": "assistant", "content": "1" if right else "0"}
-                raw = json.dumps({"object": "chat.completion", "choices": [{"index": 0, "message": message}]})
+                if "completions" in body:  # kind = "batch": a group's completions at once
+                    answer = body["row"]["answer"]
+                    scores = [1 if text.strip()[:1] == answer else 0 for text in body["completions"]]
+                    await asyncio.sleep(latency)  # the reward model's time to answer
+                    raw = json.dumps({"scores": scores})
+                else:
+                    found = GRADED.search(body["messages"][0]["content"])
+                    right = found is not None and found.group(2).strip()[:1] == found.group(1).strip()
+                    await asyncio.sleep(latency)  # the judge model's time to answer
+                    message = {"role": "assistant", "content": "1" if right else "0"}
+                    raw = json.dumps(
+                        {"object": "chat.completion", "choices": [{"index": 0, "message": message}]}
+                    )
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                     + f"Content-Length: {len(raw)}\r\n\r\n{raw}".encode()
@@ -199,7 +210,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replace(cfg, reward={"concurrency": args.reward_concurrency})
         task, sampler = build(cfg)
         judged = replace(cfg, producer={"reward": "judge"})
-        rewards = {"no judge": task.reward_fn, "judge": load_reward(judged, "judge")}
+        batched = replace(judged, reward={"judge": {"kind": "batch", "url": stub.url + "/score"}})
+        rewards = {
+            "no judge": task.reward_fn,
+            "judge": load_reward(judged, "judge"),
+            "judge, a group a request": load_reward(batched, "judge"),
+        }
         if args.unpooled:
             rewards["judge, a client per call"] = unpooled(judged)
 
@@ -236,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         name = f"no_judge_vs_judge_c{c}"
         ratios[name] = paired(runs[c, "judge"], runs[c, "no judge"])
         goals[name] = f"goal <= {GOAL:g}: {'met' if ratios[name] <= GOAL else 'NOT met'}"
+        batch = f"no_judge_vs_batch_judge_c{c}"
+        ratios[batch] = paired(runs[c, "judge, a group a request"], runs[c, "no judge"])
+        goals[batch] = f"goal <= {GOAL:g}: {'met' if ratios[batch] <= GOAL else 'NOT met'}"
         ratios[f"no_judge_vs_wait_only_c{c}"] = paired(runs[c, "wait only"], runs[c, "no judge"])
         if args.unpooled:
             ratios[f"pooled_vs_client_per_call_c{c}"] = paired(

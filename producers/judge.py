@@ -7,6 +7,11 @@ else its last user message; any other name: that field of the row, checked on ev
 before work starts) and greedy decoding; the reward is the number in the reply (after
 ``####``, else in ``\\boxed{}``, else the last one). ``kind = "score"`` POSTs
 ``{"row": ..., "completion": ...}`` to ``url`` and reads ``{"score": x}`` (or a bare number).
+``kind = "batch"`` asks once per group: it POSTs ``{"row": ..., "completions": [...]}`` (the
+group's G completions) to ``url`` and reads ``{"scores": [x, ...]}`` (or a bare list), one
+finite number per completion, in order (:meth:`Judge.score_group`, which
+:func:`producers.rewards.score_all` calls when a reward has it). A reward model server that
+scores a batch in one forward pass is asked once where the other kinds ask G times.
 
 A judge that cannot answer is an outage, not a zero reward: an unreachable server, a 429
 or 5xx, or a timeout is retried ``retries`` times with backoff, then raises
@@ -77,6 +82,8 @@ class Judge:
         # checked against every row before work starts (producers.dataset.check_required)
         self.required_fields = tuple(sorted(names - {"completion", "prompt"})) if cfg.kind == "chat" else ()
         self.endpoint = cfg.url.rstrip("/") + "/chat/completions" if cfg.kind == "chat" else cfg.url
+        if cfg.kind == "batch":  # one request a group: score_all asks it through score_group
+            self.score_group = self._score_group
         parts = urllib.parse.urlsplit(self.endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
             raise ConfigError(
@@ -102,10 +109,28 @@ class Judge:
                 "temperature": 0.0,
                 "max_tokens": self.cfg.max_tokens,
             }
+        elif self.cfg.kind == "batch":
+            return (await self._score_group(row, [text]))[0]
         else:
             body = {"row": row, "completion": text}
         reply = await self._post(msgspec.json.encode(body))
         return self._chat_score(reply) if self.cfg.kind == "chat" else self._endpoint_score(reply)
+
+    async def _score_group(self, row: dict, texts: list[str], completions=None) -> list[float]:
+        """``kind = "batch"``: the score of each of ``texts``, asked in one request."""
+        reply = await self._post(msgspec.json.encode({"row": row, "completions": texts}))
+        try:
+            decoded = msgspec.json.decode(reply)
+        except msgspec.DecodeError:
+            raise _bad(reply, "is not JSON") from None
+        values = decoded.get("scores") if isinstance(decoded, dict) else decoded
+        if not isinstance(values, list) or len(values) != len(texts):
+            raise _bad(reply, f'is not {{"scores": [<{len(texts)} finite numbers>]}}')
+        if any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in values
+        ):
+            raise _bad(reply, f'is not {{"scores": [<{len(texts)} finite numbers>]}}')
+        return [float(v) for v in values]
 
     def prompt(self, row: dict, text: str) -> str:
         """The template filled in for ``row`` and the completion ``text``."""

@@ -15,6 +15,10 @@ attempt; an :class:`~streamer.errors.EpisodeRejected` drops the whole rollout wi
 reason and counts one. A reward that holds a resource of the event loop (the judge's HTTP
 client) has an ``async aclose()``; the loop's owner calls it through :func:`close`.
 
+A reward may also have a ``score_group(row, texts, samples) -> list[float]`` method or
+attribute (``async`` or not): a group's completions are then scored by one call of it (one ``reward.concurrency`` token, one
+``reward.timeout``) rather than one call each, as the judge's ``kind = "batch"`` does.
+
 Shipped: :func:`exact_match`, :func:`math_answer` (GSM8K-style final-number grading) and
 the demo task's ``streamer.demo:reward``; by name rather than import path, ``"judge"``
 (:mod:`producers.judge`), ``"math"`` and ``"reasoning_gym"`` (:mod:`producers.envs`). An
@@ -93,6 +97,9 @@ async def score_all(
 ) -> list[float | None]:
     """The reward of each (text, sample); None where the reward failed (logged, as ``name``).
     An async ``fn`` is awaited for all of them at once (``bounds``: :func:`score_async`'s)."""
+    group = getattr(fn, "score_group", None)
+    if group is not None and texts:
+        return await _score_group(fn, group, row, texts, samples, name=name, **bounds)
     out: list[float | None] = [None] * len(texts)
     sync = not is_async(fn)  # asked once: inspect's answer costs more than a small reward
 
@@ -114,6 +121,39 @@ async def score_all(
     async with anyio.create_task_group() as tg:
         for i in range(len(texts)):
             tg.start_soon(one, i)
+    return out
+
+
+async def _score_group(
+    fn, group, row: dict, texts: list[str], samples, *, name: str, limiter=None, timeout: float = 0.0
+) -> list[float | None]:
+    """A group reward's scores: ``group`` awaited once for all of ``texts``, holding one of
+    ``limiter``'s tokens, within ``timeout`` seconds. As for one sample's reward, what it
+    raises (other than an outage or a rejection) marks every sample failed, and a value that
+    is not a finite number marks its own sample failed."""
+    name = name or _name(fn)
+    try:
+        async with limiter if limiter is not None else contextlib.nullcontext():
+            with anyio.move_on_after(timeout or None) as scope:
+                values = group(row, texts, samples)
+                if inspect.isawaitable(values):
+                    values = await values
+        if scope.cancelled_caught:
+            raise RewardUnavailable(f"reward {name} gave no answer within {timeout:g}s")
+        if not isinstance(values, (list, tuple)) or len(values) != len(texts):
+            raise TypeError(f"score_group gave {values!r:.200}, not a list of {len(texts)} scores")
+    except (SamplerError, EpisodeRejected):
+        raise
+    except Exception as e:  # a user function: anything it raises marks the samples failed
+        log.warning("reward %s raised %s: %s (%d samples dropped)", name, type(e).__name__, e, len(texts))
+        return [None] * len(texts)
+    out: list[float | None] = []
+    for value in values:
+        try:
+            out.append(_finite(value))
+        except (TypeError, ValueError) as e:
+            log.warning("reward %s: %s (sample dropped)", name, e)
+            out.append(None)
     return out
 
 

@@ -170,9 +170,9 @@ JUDGE_TEMPLATE = (
 class JudgeSection(Section):
     """The built-in judge reward (``producer.reward = "judge"``): a model asked over HTTP."""
 
-    url: str = ""  # chat: the judge's OpenAI-compatible base URL (…/v1); score: a scoring endpoint's URL
-    kind: Literal["chat", "score"] = (
-        "chat"  # chat: the number in the reply to `template`; score: {"score": x}
+    url: str = ""  # chat: the judge's OpenAI-compatible base URL (…/v1); score, batch: the endpoint's URL
+    kind: Literal["chat", "score", "batch"] = (
+        "chat"  # chat: the number in the reply to `template`; score: {"score": x}; batch: a group a request
     )
     model: str = ""  # model name sent to a chat judge
     template: str = JUDGE_TEMPLATE  # a chat judge's prompt: {completion}, {prompt} and the row's fields

@@ -5,6 +5,7 @@ goes back, no attempt counted), one that answers without a number rejects the ro
 from __future__ import annotations
 
 import json
+import math
 import threading
 
 import anyio
@@ -160,6 +161,56 @@ def test_async_reward_past_its_timeout_is_an_outage_not_a_zero_reward():
     assert isinstance(leaf, RewardUnavailable) and "gave no answer within 0.2s" in str(leaf)
 
 
+class GroupReward:
+    """A reward with a ``score_group``: each call of it recorded; per sample it would fail."""
+
+    def __init__(self, scores, *, asynchronous: bool = True):
+        self.scores, self.calls = scores, []
+        if asynchronous:
+
+            async def score_group(row, texts, samples):
+                return self._answer(row, texts, samples)
+
+            self.score_group = score_group
+        else:
+            self.score_group = self._answer
+
+    def _answer(self, row, texts, samples):
+        self.calls.append((row, list(texts), len(samples)))
+        return self.scores(texts)
+
+    def __call__(self, row, text, sample=None):
+        raise AssertionError("asked per sample, where score_group scores the group")
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_group_reward_is_asked_once_a_group_and_its_scores_are_the_rewards(asynchronous):
+    reward = GroupReward(lambda texts: [float(t == "5") for t in texts], asynchronous=asynchronous)
+    episodes = anyio.run(single_turn, ROW, _ctx(reward, limit=1))
+    assert reward.calls == [(ROW, ["5", "4", "5", "3"], 4)]
+    assert [e.reward for e in episodes] == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_a_group_reward_that_fails_drops_its_samples_not_the_rollout(caplog):
+    nan = GroupReward(lambda texts: [1.0, math.nan, 0.0, "x"])
+    assert [e.reward for e in anyio.run(single_turn, ROW, _ctx(nan))] == [1.0, 0.0]
+    short = GroupReward(lambda texts: [1.0])
+    assert anyio.run(single_turn, ROW, _ctx(short)) == []
+    assert "not a list of 4 scores" in caplog.text
+
+    async def hangs(row, texts, samples):
+        await anyio.sleep_forever()
+
+    reward = GroupReward(lambda texts: [])
+    reward.score_group = hangs
+    with pytest.raises(BaseException) as e:
+        anyio.run(single_turn, ROW, _ctx(reward, timeout=0.2))
+    leaf = e.value
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    assert isinstance(leaf, RewardUnavailable) and "gave no answer within 0.2s" in str(leaf)
+
+
 def _cfg(keys, redis_url, tmp_path, url: str, *, attempts: int = 3, **judge) -> RunConfig:
     return replace(
         RunConfig(),
@@ -195,6 +246,24 @@ def test_judge_requests_of_a_group_run_at_once_and_their_scores_are_the_rewards(
     row = task.rows[group.row]
     assert f"Reference answer: {row['answer']}" in message["content"]
     assert f"Question: {row['messages'][-1]['content']}" in message["content"]
+
+
+def test_a_batch_judge_scores_a_group_in_one_request_in_order(keys, redis_url, tmp_path, client):
+    def scores(body):  # each completion's score: its place in the request, so the order shows
+        return 200, {"scores": [i + 0.5 for i in range(len(body["completions"]))]}
+
+    with JudgeServer(scores) as judge:
+        cfg = replace(
+            _cfg(keys, redis_url, tmp_path, judge.url + "/score", kind="batch"), producer={"max_groups": 3}
+        )
+        task, sampler = build(cfg)
+        p = Producer(cfg, client=client, producer_id="p", task=task, sampler=sampler)
+        assert p.run() == 0 and p.published == 3
+    assert len(judge.requests) == 3 and judge.paths == ["/v1/score"] * 3, "one request a group"
+    for (_, fields), request in zip(client.xrange(keys.traj), judge.requests, strict=True):
+        group = decode(fields[b"d"], TrajectoryGroup)
+        assert request["row"] == task.rows[group.row] and len(request["completions"]) == 2
+        assert [s.reward for s in group.samples] == [0.5, 1.5]
 
 
 def test_a_producer_keeps_one_pooled_client_for_the_judge_and_closes_it_when_it_stops(
@@ -246,6 +315,8 @@ def test_judge_that_fails_is_an_outage_the_row_goes_back_uncounted(
         ("chat", chat("NaN"), "the judge's reply has no number: 'NaN'"),
         ("chat", (200, b"<html>" + b"x" * 500), "is not a chat completion: '<html>xxx"),
         ("score", (200, {"score": "high"}), 'is not {"score": <finite number>}: \'{"score": "high"}\''),
+        ("batch", (200, {"scores": [1]}), 'is not {"scores": [<2 finite numbers>]}: \'{"scores": [1]}\''),
+        ("batch", (200, {"scores": [1, None]}), 'is not {"scores": [<2 finite numbers>]}'),
     ],
 )
 def test_judge_that_answers_without_a_number_dead_letters_the_row_with_the_reply_quoted(
@@ -259,6 +330,9 @@ def test_judge_that_answers_without_a_number_dead_letters_the_row_with_the_reply
         assert p.step() == "failed" and p.step() == "failed"  # the second claim skips the row
     if kind == "score":
         assert judge.requests[0]["completion"] is not None and judge.requests[0]["row"] in task.rows
+    if kind == "batch":
+        assert len(judge.requests) == 2, "one request a group"
+        assert len(judge.requests[0]["completions"]) == 2 and judge.requests[0]["row"] in task.rows
     skipped = client.hgetall(keys.skipped_rows)
     assert list(skipped) == [b"0"] and says in skipped[b"0"].decode()
     assert len(skipped[b"0"]) < 500, "the quote is truncated"
@@ -281,16 +355,21 @@ def test_judge_config_errors_name_the_key_or_the_row_before_anything_runs(keys, 
         build(cfg)
 
 
-def test_judge_scores_the_evaluators_sets_too(keys, redis_url, tmp_path, client):
+@pytest.mark.parametrize("kind", ["chat", "batch"])
+def test_judge_scores_the_evaluators_sets_too(keys, redis_url, tmp_path, client, kind):
     from producers import eval_sets
     from producers.components import load_task, local_sampler
     from producers.evaluator import Evaluator
     from producers.judge import Judge
     from streamer import models
 
-    with JudgeServer(lambda body: chat("0.25")) as judge:
+    def reply(body):
+        return chat("0.25") if kind == "chat" else (200, {"scores": [0.25] * len(body["completions"])})
+
+    with JudgeServer(reply) as judge:
+        url = judge.url if kind == "chat" else judge.url + "/score"
         cfg = replace(
-            _cfg(keys, redis_url, tmp_path, judge.url),
+            _cfg(keys, redis_url, tmp_path, url, kind=kind),
             eval={"max_rows": 3, "batch_size": 3, "max_new_tokens": 2, "max_versions": 1},
         )
         (default,) = eval_sets.prepare(cfg)  # checked before anything runs
@@ -320,6 +399,12 @@ def _scores(judge, calls: int) -> list[float]:
             await judge.aclose()
 
     return anyio.run(main)
+
+
+def test_a_batch_judge_asked_for_one_completion_sends_a_batch_of_one():
+    with JudgeServer(lambda body: (200, [0.5] * len(body["completions"]))) as server:  # a bare list
+        assert _scores(_judge(server.url + "/score", kind="batch"), 2) == [0.5, 0.5]
+    assert [r["completions"] for r in server.requests] == [["5"], ["5"]]
 
 
 @pytest.mark.parametrize("closes", ["after_reply", "on_next_request"])
