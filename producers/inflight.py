@@ -9,6 +9,10 @@
   training removes), so loads only exclude each other; the server's own record of requests
   in flight (:mod:`producers.reload`) decides what happens to them during an update and
   stamps each token with the version that sampled it.
+- :class:`AdmissionWaits`: rows waiting for an admission slot poll on their own back-off,
+  but the first one a trainer step lets in wakes the others to ask at once, so the rows
+  that fit go on together (and an in-process model samples them in one batch) rather than
+  one by one over the next half second.
 - :func:`blocking`: run a blocking call (Redis, a local model, httpx) in a worker thread;
   cancelling the caller (a rollout timeout) abandons the thread's result instead of
   waiting for it.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -73,6 +78,36 @@ class WeightGate:
                 async with self._cond:
                     self._writing = False
                     self._cond.notify_all()
+
+
+class AdmissionWaits:
+    """Rows of one producer waiting for their admission slots (one event loop's)."""
+
+    POLL, MAX_POLL = 0.05, 0.5  # seconds between a waiting row's asks: the first, at most
+
+    def __init__(self):
+        self._opened = anyio.Event()  # set when a row that waited got in: others ask now
+
+    async def wait(self, try_admit, stop, *, poll: float = POLL) -> float | None:
+        """Ask ``await try_admit()`` until it grants, ``poll`` seconds after the first ask and
+        1.5 times longer each time after (at most MAX_POLL), or at once when another row got
+        in; seconds waited, or None once ``stop()``."""
+        start, delay = time.monotonic(), poll
+        woken = False
+        while not await try_admit():
+            if stop():
+                return None
+            opened = self._opened
+            woken = False
+            with anyio.move_on_after(delay):
+                await opened.wait()
+                woken = True
+            if not woken:
+                delay = min(delay * 1.5, max(poll, self.MAX_POLL))
+        if not woken:  # found the window open by itself: the others may fit too
+            self._opened.set()
+            self._opened = anyio.Event()
+        return time.monotonic() - start
 
 
 async def blocking(fn, /, *args, limiter: anyio.CapacityLimiter | None = None, **kwargs):

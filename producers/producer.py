@@ -252,8 +252,8 @@ class Producer:
         try:  # the slot is the lease's (atomically: a retried admission takes no second one)
             admission_wait = 0.0
             if not granted:
-                admission_wait = await self.transport.redis(
-                    self.admission.wait, self.stop.is_set, ticket=ticket, owner=self.id
+                admission_wait = await self.transport.admission_waits.wait(
+                    lambda: self.transport.redis(self.admission.try_admit, ticket, self.id), self.stop.is_set
                 )
                 self.trips.fresh = False  # a new version may have opened the window
         except LeaseLost:

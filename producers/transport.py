@@ -22,7 +22,7 @@ from __future__ import annotations
 import anyio
 
 from producers.follow import WeightFollower
-from producers.inflight import WeightGate, blocking
+from producers.inflight import AdmissionWaits, WeightGate, blocking
 from producers.trips import Trips
 from streamer.rollout.batching import MicroBatcher
 from streamer.rollout.contract import Completion
@@ -55,6 +55,7 @@ class Transport:
     def start(self) -> None:
         """The parts that belong to one event loop (anyio's): first thing in each loop."""
         self.gate = WeightGate(exclusive=self.max_parallel == 1)
+        self.admission_waits = AdmissionWaits()
         self._redis_limiter = anyio.CapacityLimiter(self.concurrency + 2)
         self._sample_limiter = anyio.CapacityLimiter(self.max_parallel)
         self.reward_limiter = anyio.CapacityLimiter(self.reward_concurrency)

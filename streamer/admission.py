@@ -56,8 +56,7 @@ one Python twin of the admission rule is :func:`admission_limit`, which `streame
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import redis
@@ -103,23 +102,6 @@ class Admission:
         if granted < 0:
             raise LeaseLost(f"the lease on ticket {ticket} is no longer {owner}'s")
         return granted > 0
-
-    def wait(
-        self,
-        stop: Callable[[], bool] = lambda: False,
-        poll: float = 0.05,
-        *,
-        ticket: int | None = None,
-        owner: str = "",
-    ) -> float | None:
-        """Block until a slot is granted; returns seconds waited, or None if ``stop()``."""
-        start, delay = time.monotonic(), poll
-        while not self.try_admit(ticket, owner):
-            if stop():
-                return None
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
-        return time.monotonic() - start
 
     def release(self, entry_ids: Iterable[str], *, trained: bool = False) -> int:
         """Give back the slots these trajectory entries hold (each at most once, ever); with

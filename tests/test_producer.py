@@ -147,6 +147,41 @@ def test_admission_counter_is_exact_under_concurrency(redis_url, keys):
     c.close()
 
 
+def test_rows_waiting_for_admission_go_on_together_once_one_finds_the_window_open():
+    """Three rows wait for a slot. The first to ask after the window opens (on its own short
+    back-off) wakes the others, whose next ask was 60 s away: all three are in at once."""
+    import anyio
+
+    from producers.inflight import AdmissionWaits
+
+    window, asks, admitted = [0], [], []
+
+    async def row(name: str, poll: float, waits: AdmissionWaits) -> None:
+        async def try_admit() -> bool:
+            asks.append(name)
+            if window[0] > 0:
+                window[0] -= 1
+                return True
+            return False
+
+        await waits.wait(try_admit, lambda: False, poll=poll)
+        admitted.append(name)
+
+    async def main() -> None:
+        waits = AdmissionWaits()
+        with anyio.fail_after(30):  # the slow rows' own next ask: 60 s
+            async with anyio.create_task_group() as tg:
+                for name, poll in (("slow-1", 60.0), ("slow-2", 60.0), ("fast", 0.2)):
+                    tg.start_soon(row, name, poll, waits)
+                await anyio.wait_all_tasks_blocked()
+                assert sorted(asks) == ["fast", "slow-1", "slow-2"] and not admitted, "all wait"
+                window[0] = 3  # a trainer step released three slots
+
+    anyio.run(main)
+    assert admitted[0] == "fast" and sorted(admitted[1:]) == ["slow-1", "slow-2"]
+    assert len(asks) == 6, f"one more ask each once the window opened: {asks}"
+
+
 def test_concurrent_producers_never_exceed_the_admission_rule(client, keys, redis_url, tmp_path):
     cfg = _cfg(keys, redis_url, tmp_path, trainer={"groups_per_step": 2, "max_staleness": 0})
     stop = threading.Event()
