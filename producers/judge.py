@@ -124,10 +124,10 @@ class Judge:
         except msgspec.DecodeError:
             raise _bad(reply, "is not JSON") from None
         values = decoded.get("scores") if isinstance(decoded, dict) else decoded
-        if not isinstance(values, list) or len(values) != len(texts):
-            raise _bad(reply, f'is not {{"scores": [<{len(texts)} finite numbers>]}}')
-        if any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in values
+        if (
+            not isinstance(values, list)
+            or len(values) != len(texts)
+            or not all(_finite_number(v) for v in values)
         ):
             raise _bad(reply, f'is not {{"scores": [<{len(texts)} finite numbers>]}}')
         return [float(v) for v in values]
@@ -210,7 +210,7 @@ class Judge:
         except msgspec.DecodeError:
             raise _bad(raw, "is not JSON") from None
         value = reply.get("score") if isinstance(reply, dict) else reply
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not _finite_number(value):
             raise _bad(raw, 'is not {"score": <finite number>}')
         return float(value)
 
@@ -224,6 +224,10 @@ async def _read(r: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
     while len(body) <= limit and (chunk := await r.content.read(limit + 1 - len(body))):
         body += chunk
     return bytes(body[:limit]), len(body) <= limit
+
+
+def _finite_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _bad(reply: bytes | str, what: str) -> EpisodeRejected:

@@ -16,8 +16,10 @@ reason and counts one. A reward that holds a resource of the event loop (the jud
 client) has an ``async aclose()``; the loop's owner calls it through :func:`close`.
 
 A reward may also have a ``score_group(row, texts, samples) -> list[float]`` method or
-attribute (``async`` or not): a group's completions are then scored by one call of it (one ``reward.concurrency`` token, one
-``reward.timeout``) rather than one call each, as the judge's ``kind = "batch"`` does.
+attribute (``async`` or not): a group's completions are then scored by one call of it (one
+``reward.concurrency`` token, one ``reward.timeout``) rather than one call each, as the
+judge's ``kind = "batch"`` does. It must still answer for one sample (a custom rollout may
+ask it so; the evaluator asks a reward that is not ``async`` per completion).
 
 Shipped: :func:`exact_match`, :func:`math_answer` (GSM8K-style final-number grading) and
 the demo task's ``streamer.demo:reward``; by name rather than import path, ``"judge"``
