@@ -6,7 +6,8 @@ same way:
 
     streamer  ``streamer up --until-eval 0.8`` of the built-in demo with ``run.seed`` set:
               every role its own process, as a user runs it
-    trl       one process, one torch thread: ``trl.GRPOTrainer`` on the same model
+    trl       one process, one torch thread: ``trl.GRPOTrainer`` (float32, no gradient
+              checkpointing, as the streamer side's trainer) on the same model
               (``streamer.demo.build_model(seed)``), tokenizer, train rows, reward, group
               size G, prompts per version, learning rate and cosine schedule to 0.1 of it
               (over the same optimizer steps), optimizer steps per version (each version's
@@ -181,6 +182,10 @@ def trl_child(seed: int, target: float, steps: int) -> int:
             output_dir=out,
             seed=seed,
             use_cpu=True,
+            # TRL's defaults are bf16 autocast and gradient checkpointing, even on a CPU; the
+            # streamer side's trainer trains float32 without checkpointing
+            bf16=False,
+            gradient_checkpointing=False,
             report_to="none",
             save_strategy="no",
             logging_strategy="no",
