@@ -327,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in streamers:
         for role, seconds in s["roles"].items():
             roles[role] = roles.get(role, 0.0) + seconds
-    print(f"streamer CPU by process role (from /proc, every {C.ROLE_EVERY:g} s), all runs:")
-    C.print_roles(roles, sum(s["versions"] for s in streamers) or 1)
+    if roles:
+        print(f"streamer CPU by process role (from /proc, every {C.ROLE_EVERY:g} s), all runs:")
+        C.print_roles(roles, sum(s["versions"] for s in streamers) or 1)
     both = [(s, x) for _, s, x in runs if s["reached"] is not None and x["reached"] is not None]
     print(f"runs where both sides reached {t}: {len(both)} of {len(runs)}")
     for seed, s, x in runs:
