@@ -171,7 +171,7 @@ def test_rows_waiting_for_admission_go_on_together_once_one_finds_the_window_ope
         waits = AdmissionWaits()
         with anyio.fail_after(30):  # the slow rows' own next ask: 60 s
             async with anyio.create_task_group() as tg:
-                for name, poll in (("slow-1", 60.0), ("slow-2", 60.0), ("fast", 0.2)):
+                for name, poll in (("slow-1", 60.0), ("slow-2", 60.0), ("fast", 1.0)):
                     tg.start_soon(row, name, poll, waits)
                 await anyio.wait_all_tasks_blocked()
                 assert sorted(asks) == ["fast", "slow-1", "slow-2"] and not admitted, "all wait"
