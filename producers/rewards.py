@@ -86,12 +86,20 @@ async def score_async(
     :class:`RewardUnavailable`)."""
     if not is_async(fn):
         return score(fn, row, text, sample)
+    return _finite(await _bounded(fn, row, text, sample, name=_name(fn), limiter=limiter, timeout=timeout))
+
+
+async def _bounded(call, *args, name: str, limiter=None, timeout: float = 0.0):
+    """``call(*args)``, awaited if it gives an awaitable, holding one of ``limiter``'s tokens,
+    within ``timeout`` seconds (0: none; past it, :class:`RewardUnavailable`)."""
     async with limiter if limiter is not None else contextlib.nullcontext():
         with anyio.move_on_after(timeout or None) as scope:
-            value = await fn(row, text, sample)
+            value = call(*args)
+            if inspect.isawaitable(value):
+                value = await value
     if scope.cancelled_caught:
-        raise RewardUnavailable(f"reward {_name(fn)} gave no answer within {timeout:g}s")
-    return _finite(value)
+        raise RewardUnavailable(f"reward {name} gave no answer within {timeout:g}s")
+    return value
 
 
 async def score_all(
@@ -135,13 +143,7 @@ async def _score_group(
     is not a finite number marks its own sample failed."""
     name = name or _name(fn)
     try:
-        async with limiter if limiter is not None else contextlib.nullcontext():
-            with anyio.move_on_after(timeout or None) as scope:
-                values = group(row, texts, samples)
-                if inspect.isawaitable(values):
-                    values = await values
-        if scope.cancelled_caught:
-            raise RewardUnavailable(f"reward {name} gave no answer within {timeout:g}s")
+        values = await _bounded(group, row, texts, samples, name=name, limiter=limiter, timeout=timeout)
         if not isinstance(values, (list, tuple)) or len(values) != len(texts):
             raise TypeError(f"score_group gave {values!r:.200}, not a list of {len(texts)} scores")
     except (SamplerError, EpisodeRejected):

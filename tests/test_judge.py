@@ -16,6 +16,7 @@ from waits import wait_until
 
 from producers import httpd
 from producers.components import build
+from producers.inflight import first_leaf
 from producers.producer import Producer
 from producers.single_turn import single_turn
 from schemas import MetricsEvent, TrajectoryGroup, decode
@@ -153,11 +154,14 @@ def test_async_reward_past_its_timeout_is_an_outage_not_a_zero_reward():
     async def reward(row, text, sample):
         await anyio.sleep_forever()
 
+    _assert_times_out(reward)
+
+
+def _assert_times_out(reward) -> None:
+    """A group of ``reward`` past a 0.2 s reward.timeout is an outage, not a zero reward."""
     with pytest.raises(BaseException) as e:
         anyio.run(single_turn, ROW, _ctx(reward, timeout=0.2))
-    leaf = e.value
-    while isinstance(leaf, BaseExceptionGroup):
-        leaf = leaf.exceptions[0]
+    leaf = first_leaf(e.value)
     assert isinstance(leaf, RewardUnavailable) and "gave no answer within 0.2s" in str(leaf)
 
 
@@ -203,12 +207,7 @@ def test_a_group_reward_that_fails_drops_its_samples_not_the_rollout(caplog):
 
     reward = GroupReward(lambda texts: [])
     reward.score_group = hangs
-    with pytest.raises(BaseException) as e:
-        anyio.run(single_turn, ROW, _ctx(reward, timeout=0.2))
-    leaf = e.value
-    while isinstance(leaf, BaseExceptionGroup):
-        leaf = leaf.exceptions[0]
-    assert isinstance(leaf, RewardUnavailable) and "gave no answer within 0.2s" in str(leaf)
+    _assert_times_out(reward)
 
 
 def _cfg(keys, redis_url, tmp_path, url: str, *, attempts: int = 3, **judge) -> RunConfig:
