@@ -197,13 +197,18 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: Any = None  # a subprocess.Popen, or a streamer.forkserver.Forked
     stopping: bool = False
     group: bool = False  # signal its whole process group (an engine and its worker processes)
     env: dict[str, str] | None = None  # its own environment instead of the roles'
+    forks: Any = None  # a streamer.forkserver.ForkServer that forks it, if it can
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.forks is not None:
+            self.proc = self.forks.spawn(self.name, self.argv, self.log_path)
+            if self.proc is not None:
+                return
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 self.argv,

@@ -6,6 +6,7 @@ import json
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from bounds import RUN, START
@@ -58,6 +59,12 @@ def test_up_stops_in_order_on_sigterm_and_resumes(tmp_path):
             assert up.proc.poll() is None, up.output()
             assert time.monotonic() < deadline, f"no checkpoint within {RUN:.0f} s"
             time.sleep(0.5)
+        # the roles that run a model were forked from one preloaded process (streamer.forkserver),
+        # which has exited: each is up's own child, named and shown as the role it is
+        children = _children(up.proc.pid)
+        for name, role in (("train", " train "), ("eval", " eval "), ("produce-0", " produce ")):
+            assert any(c == name and role in cmd for c, cmd in children), children
+        assert not any("forkserver" in cmd for _, cmd in children), children
         up.proc.send_signal(signal.SIGTERM)
         code = up.proc.wait(timeout=START)  # each child has up.GRACE_SECONDS, then is killed
     out = up.output()
@@ -71,6 +78,20 @@ def test_up_stops_in_order_on_sigterm_and_resumes(tmp_path):
     assert code == 0, again.output()
     log = (tmp_path / "demo" / "logs" / "train.log").read_text()
     assert f"restored checkpoint step-{stopped_at:08d}" in log, log[-2000:]
+
+
+def _children(pid: int) -> list[tuple[str, str]]:
+    """(process name, command line) of each live child of ``pid``."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            if proc.name.isdigit() and int(stat.rpartition(")")[2].split()[1]) == pid:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                out.append((stat[stat.index("(") + 1 : stat.rindex(")")], cmd))
+        except OSError:
+            continue
+    return out
 
 
 def test_a_crashing_child_is_reported_and_up_exits_nonzero(tmp_path):

@@ -35,6 +35,7 @@ from streamer.cli.progress import Progress
 from streamer.config import URL_ENV, RunConfig, replace
 from streamer.connection import connect, redact
 from streamer.errors import ConfigError
+from streamer.forkserver import ForkServer
 from streamer.keys import Keys
 from streamer.lifecycle import Child, QuietStdout, restore_signals
 from streamer.rundir import (
@@ -55,6 +56,7 @@ from streamer.values import check_types, wrong_type
 
 log = logging.getLogger(__name__)
 
+MODEL_ROLES = ("train", "eval", "produce")
 FINAL_EVAL_WAIT = 60.0  # how long to wait for the evaluation of the final version
 
 
@@ -300,12 +302,26 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
     progress = Progress(cfg, target_steps=args.steps or steps, live=not args.no_progress, started=started)
     progress.update()  # a resumed run: the steps trained before this `up`
     first_step, code, summary = progress.train_step, 0, ""
+    # the roles that run a model are forked from one process that imported torch and
+    # transformers once (streamer.forkserver), after the others are started
+    ours = [sys.executable, "-m", "streamer"]
+    models = [(n, a) for n, a in specs if n.split("-")[0] in MODEL_ROLES and a[:3] == ours]
+    specs = [(n, a) for n, a in specs if (n, a) not in models] + models
+    forks = None
+    if models:
+        room = max(len("\0".join(a)) + 1 for _, a in models)
+        forks = ForkServer.start(env, logs / "forkserver.log", cfg.model.name_or_path, stop_requested, room)
     try:
-        for name, argv in specs:
-            if stop_requested.is_set():
-                break
-            stack.children[name] = Child(name, argv, logs / f"{name}.log")
-            stack.children[name].start(env)
+        try:
+            for name, argv in specs:
+                if stop_requested.is_set():
+                    break
+                launcher = forks if (name, argv) in models else None
+                stack.children[name] = Child(name, argv, logs / f"{name}.log", forks=launcher)
+                stack.children[name].start(env)
+        finally:
+            if forks is not None:
+                forks.close()
         print(
             f"streamer up: run {cfg.run.name!r} on {redact(cfg.run.redis_url)}; "
             f"{producers} producer{'s' if producers > 1 else ''}; /metrics on http://{cfg.metrics.host}:{port}/metrics; "

@@ -162,7 +162,8 @@ def test_up_killed_outright_takes_its_children_with_it(tmp_path):
 
 # `python -c STOP_AT WHAT AT up ...` runs `python -m streamer up ...`, SIGSTOPping itself once
 # at one point of start-up: before the first import of module AT (WHAT = import), or right
-# after starting the child process AT (WHAT = start: valkey-server, or a role's command).
+# after starting the child process AT (WHAT = start: valkey-server, or a role's command,
+# started or forked).
 STOP_AT = """
 import os, runpy, signal, subprocess, sys
 what, at = sys.argv[1:3]
@@ -182,10 +183,20 @@ def start(self, args, *rest, **kw):
         start.done = True
         os.kill(os.getpid(), signal.SIGSTOP)
 
+def spawned(self, name, argv, log_path):  # a role forked by up's streamer.forkserver
+    proc = spawn(self, name, argv, log_path)
+    if at in argv and not getattr(start, "done", False):
+        start.done = True
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return proc
+
 if what == "import":
     sys.meta_path.insert(0, StopBefore())
 else:
+    from streamer import forkserver
+
     subprocess.Popen.__init__ = start
+    spawn, forkserver.ForkServer.spawn = forkserver.ForkServer.spawn, spawned
 runpy.run_module("streamer", run_name="__main__", alter_sys=True)
 """
 START_POINTS = [  # in the order `up` reaches them
@@ -195,9 +206,9 @@ START_POINTS = [  # in the order `up` reaches them
     ("import", "producers.eval_sets"),  # up's first step
     ("start", "valkey-server"),
     ("start", "metrics"),
-    ("start", "train"),
-    ("start", "eval"),
     ("start", "archive"),
+    ("start", "train"),  # the roles that run a model: last, forked once the server has preloaded
+    ("start", "eval"),
     ("start", "produce"),  # the last child
 ]
 
