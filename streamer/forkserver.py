@@ -132,6 +132,11 @@ class ForkServer:
                     start_new_session=True,
                     preexec_fn=child_preexec(os.getpid()),
                 )
+        except OSError as e:
+            log.warning("the role launcher did not start (%s); starting roles the usual way", e)
+            os.close(req_w)
+            os.close(rep_r)
+            return None
         finally:
             os.close(req_r)
             os.close(rep_w)
@@ -153,6 +158,7 @@ class ForkServer:
             return None
         if "pid" not in reply:
             self.broken = True
+            self.proc.kill()  # so that it cannot fork this role late, beside the one started instead
             log.warning("the role launcher failed (%s); starting roles the usual way", reply.get("error"))
             return None
         return Forked(int(reply["pid"]), argv)
