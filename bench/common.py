@@ -508,7 +508,7 @@ def stop_processes(procs, grace: float = 20.0) -> None:
 # ---------------------------------------------------------------- CPU of child processes, by role
 
 TICK = os.sysconf("SC_CLK_TCK")
-ROLE = re.compile(r" -m streamer(?:\.| (?:--log-level \S+ )?)(\w+)")  # streamer.forkserver: "forkserver"
+ROLE = re.compile(r" -m streamer(?:\.cli\.| (?:--log-level \S+ )?)(\w+)")  # streamer.cli.forkserver too
 ROLE_EVERY = 0.25  # seconds between two readings of every descendant's CPU from /proc
 
 

@@ -197,11 +197,11 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
-    proc: Any = None  # a subprocess.Popen, or a streamer.forkserver.Forked
+    proc: Any = None  # a subprocess.Popen, or a streamer.cli.forkserver.Forked
     stopping: bool = False
     group: bool = False  # signal its whole process group (an engine and its worker processes)
     env: dict[str, str] | None = None  # its own environment instead of the roles'
-    forks: Any = None  # a streamer.forkserver.ForkServer that forks it, if it can
+    forks: Any = None  # a streamer.cli.forkserver.ForkServer that forks it, if it can
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

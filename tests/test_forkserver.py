@@ -1,4 +1,4 @@
-"""streamer.forkserver: a role forked from the preloaded server is the caller's own child,
+"""streamer.cli.forkserver: a role forked from the preloaded server is the caller's own child,
 named and logged as if it had been started, and a server that is gone starts nothing.
 
 Each case runs in a process of its own (the launcher makes its caller a child subreaper,
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CALLER = """
 import json, os, sys, threading, time
 from pathlib import Path
-from streamer.forkserver import ForkServer
+from streamer.cli.forkserver import ForkServer
 
 case, log = sys.argv[1], Path(sys.argv[2])
 argv = [sys.executable, "-m", "streamer", "--help"]

@@ -31,11 +31,11 @@ import redis
 
 from streamer import rows
 from streamer.cli import plot
+from streamer.cli.forkserver import ForkServer
 from streamer.cli.progress import Progress
 from streamer.config import URL_ENV, RunConfig, replace
 from streamer.connection import connect, redact
 from streamer.errors import ConfigError
-from streamer.forkserver import ForkServer
 from streamer.keys import Keys
 from streamer.lifecycle import Child, QuietStdout, restore_signals
 from streamer.rundir import (
@@ -303,7 +303,7 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
     progress.update()  # a resumed run: the steps trained before this `up`
     first_step, code, summary = progress.train_step, 0, ""
     # the roles that run a model are forked from one process that imported torch and
-    # transformers once (streamer.forkserver), after the others are started
+    # transformers once (streamer.cli.forkserver), after the others are started
     ours = [sys.executable, "-m", "streamer"]
     models = [(n, a) for n, a in specs if n.split("-")[0] in MODEL_ROLES and a[:3] == ours]
     specs = [(n, a) for n, a in specs if (n, a) not in models] + models

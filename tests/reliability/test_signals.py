@@ -183,7 +183,7 @@ def start(self, args, *rest, **kw):
         start.done = True
         os.kill(os.getpid(), signal.SIGSTOP)
 
-def spawned(self, name, argv, log_path):  # a role forked by up's streamer.forkserver
+def spawned(self, name, argv, log_path):  # a role forked by up's streamer.cli.forkserver
     proc = spawn(self, name, argv, log_path)
     if at in argv and not getattr(start, "done", False):
         start.done = True
@@ -193,7 +193,7 @@ def spawned(self, name, argv, log_path):  # a role forked by up's streamer.forks
 if what == "import":
     sys.meta_path.insert(0, StopBefore())
 else:
-    from streamer import forkserver
+    from streamer.cli import forkserver
 
     subprocess.Popen.__init__ = start
     spawn, forkserver.ForkServer.spawn = forkserver.ForkServer.spawn, spawned

@@ -119,7 +119,7 @@ class ForkServer:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "streamer.forkserver", str(req_r), str(rep_w), model, "-" * room]
+        argv = [sys.executable, "-m", "streamer.cli.forkserver", str(req_r), str(rep_w), model, "-" * room]
         try:
             with open(log_path, "ab") as out:
                 proc = subprocess.Popen(
