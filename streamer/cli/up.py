@@ -3,9 +3,10 @@
 Starts the embedded Valkey server (unless ``--redis-url``), then the metrics exporter,
 the trainer, the evaluator and N producers, all through the same entry points as
 ``streamer train|produce|eval|metrics``; the roles that run a model are forked from one
-process that imported torch and transformers once (:mod:`streamer.cli.forkserver`). It prints a live progress view, and when the
-trainer has finished its steps (or the producers find every row set aside: nothing left to
-teach) it stops the rest in order and prints a summary.
+process that imported torch and transformers once (:mod:`streamer.cli.forkserver`). It
+prints a live progress view, and when the trainer has finished its steps (or the producers
+find every row set aside: nothing left to teach) it stops the rest in order and prints a
+summary.
 Running it again in the same data directory resumes the run; ``--fresh`` starts over
 (deleting only what Streamer created and marked, see :mod:`streamer.rundir`).
 
