@@ -119,3 +119,19 @@ def test_the_progress_view_rides_out_a_server_outage(private_valkey, caplog):
     private_valkey.start()
     progress.tick()
     assert progress.train_step == 3 and not progress._down
+
+
+def test_until_eval_counts_a_score_that_a_later_version_s_followed_before_the_tick(private_valkey):
+    """`up --until-eval 0.8`: the evaluator scores versions faster than `up` ticks; v10 at
+    0.8 then v20 at 0.7 in one read still reached the target."""
+    cfg = _cfg(private_valkey.url, "until")
+    progress = Progress(cfg, target_steps=0, live=False)
+    evals = [
+        MetricsEvent(axis="eval", step=v, values={"accuracy": a}, source="evaluator")
+        for v, a in ((0, 0.1), (10, 0.8), (20, 0.7))
+    ]
+    Publisher(connect(private_valkey.url), Keys("until"), cfg.bus).publish_many(Keys("until").metrics, evals)
+    progress.update()
+    assert progress.eval_acc == 0.7 and progress.eval_step == 20  # the headline stays the latest
+    assert progress.reached_eval(0.8) and not progress.reached_eval(0.81)
+    assert not progress.reached_eval(None)

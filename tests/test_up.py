@@ -103,3 +103,12 @@ def test_a_crashing_child_is_reported_and_up_exits_nonzero(tmp_path):
     assert code == 1, out
     assert re.search(r"produce-\d exited with code 2", out), out
     assert "/nonexistent/rows.jsonl" in out  # the last lines of its log say why
+
+
+def test_up_until_eval_stops_once_an_evaluation_reaches_the_target(tmp_path):
+    with Up(tmp_path, "--steps", "500", "--until-eval", "0") as up:  # every evaluation reaches 0
+        code = up.proc.wait(timeout=RUN)
+    out = up.output()
+    assert code == 0, out
+    assert re.search(r"eval accuracy \d\.\d\d >= 0: stopping", out), out
+    assert int(re.search(r"steps trained +(\d+)", out).group(1)) < 500, out

@@ -49,6 +49,9 @@ class Progress:
         self._bad_version = False  # the version key held no number (logged once)
         self.started = time.monotonic() if started is None else started  # `up` began
         self.reached: dict[str, float] = {}  # "reward"/"eval" -> seconds to reach THRESHOLD
+        # the best headline eval accuracy seen: a score between two ticks counts, even when a
+        # later version's came before the tick
+        self.best_eval = self.history.eval_accuracy
         self.nothing_to_teach = False  # every row set aside: nothing left to teach
         self.ended = ""  # why the producers finished before the trainer's steps ("": they did not)
         self.counts = rows.RowCounts(0, 0, 0)  # the rows, when the producers finished
@@ -90,6 +93,8 @@ class Progress:
                 self.reached.setdefault("reward", time.monotonic() - self.started)
             if (h.eval_accuracy or 0.0) >= THRESHOLD:
                 self.reached.setdefault("eval", time.monotonic() - self.started)
+            if h.eval_accuracy is not None and h.eval_accuracy > (self.best_eval or -1.0):
+                self.best_eval = h.eval_accuracy
         self._rate.append((time.monotonic(), h.groups))
 
     def why_producers_stopped(self) -> str:
@@ -132,8 +137,8 @@ class Progress:
         return " ".join(out)
 
     def reached_eval(self, target: float | None) -> bool:
-        """Eval accuracy is at ``target`` or above (never, for None)."""
-        return target is not None and self.eval_acc is not None and self.eval_acc >= target
+        """An evaluation scored ``target`` or above (never, for None)."""
+        return target is not None and self.best_eval is not None and self.best_eval >= target
 
     def reward(self) -> float | None:
         return self.history.reward()

@@ -379,7 +379,7 @@ def _supervise(stack: Stack, progress: Progress, stop: threading.Event, *, until
         progress.tick()
         if progress.reached_eval(until_eval):
             print(
-                f"streamer up: eval accuracy {progress.eval_acc:.2f} >= {until_eval:g}: stopping", flush=True
+                f"streamer up: eval accuracy {progress.best_eval:.2f} >= {until_eval:g}: stopping", flush=True
             )
             return 0
         done = all(c.exited() == 0 for c in producers) if producers else progress.nothing_to_teach
