@@ -41,13 +41,14 @@ TRAINER_ORPHAN_GRACE = 60.0
 _PARENT = os.getppid()  # who started this process (a fact of the process, read once)
 
 
-def _prctl_pdeathsig(sig: int) -> bool:
+def prctl(option: int, arg) -> bool:
+    """Linux's ``prctl(option, arg)``; False where it failed or is not Linux."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
-    except OSError:
+        return libc.prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
         return False
 
 
@@ -59,7 +60,7 @@ def child_preexec(parent_pid: int, sig: int = signal.SIGTERM):
     """
 
     def preexec() -> None:
-        _prctl_pdeathsig(sig)
+        prctl(PR_SET_PDEATHSIG, sig)
         if os.getppid() != parent_pid:
             os._exit(1)
 

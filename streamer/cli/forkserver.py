@@ -24,7 +24,6 @@ start or to answer), `up` starts each role the usual way: a fresh interpreter.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -36,22 +35,14 @@ import threading
 import time
 from pathlib import Path
 
+from streamer.lifecycle import child_preexec, prctl
+
 log = logging.getLogger(__name__)
 
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 READY_TIMEOUT = 120.0  # seconds for the server's imports; past it the roles start the usual way
 PRELOAD = ("streamer.cli", "producers.producer", "producers.evaluator", "consumers.trainer")
-
-
-def _prctl(option: int, arg) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(option, arg, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 class Forked:
@@ -112,9 +103,7 @@ class ForkServer:
     ) -> ForkServer | None:
         """Start the server (it preloads ``model``'s class) with ``room`` bytes of command line
         for its roles'; None where roles cannot be forked."""
-        from streamer.lifecycle import child_preexec
-
-        if not hasattr(os, "fork") or not _prctl(PR_SET_CHILD_SUBREAPER, 1):
+        if not hasattr(os, "fork") or not prctl(PR_SET_CHILD_SUBREAPER, 1):
             return None
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
@@ -257,11 +246,7 @@ def _become(request: dict, up: int) -> int:
         if time.monotonic() > deadline:
             return 1
         time.sleep(0.001)
-    from streamer.lifecycle import _prctl_pdeathsig
-
-    _prctl_pdeathsig(signal.SIGTERM)
-    if os.getppid() != up:  # `up` died before the request took effect
-        return 1
+    child_preexec(up)()  # SIGTERM when `up` dies; exits 1 if it died before that took effect
     out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -269,7 +254,7 @@ def _become(request: dict, up: int) -> int:
     os.dup2(out, 2)
     os.close(out)
     os.close(null)
-    _prctl(PR_SET_NAME, ctypes.c_char_p(request["name"].encode()[:15]))
+    prctl(PR_SET_NAME, ctypes.c_char_p(request["name"].encode()[:15]))
     if "numpy.random" in sys.modules:  # `random` reseeds itself after a fork; numpy's does not
         sys.modules["numpy.random"].seed()
     _show_as(request["argv"])
