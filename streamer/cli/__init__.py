@@ -6,6 +6,7 @@ Exit codes: 0 done, 1 failed at run time, 2 bad config or arguments, 130 interru
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import os
@@ -197,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(args)
         module, _, func = ROLES[args.cmd].partition(":")
         entry = getattr(importlib.import_module(module), func)
+        if not gc.isenabled():  # imported with the collector off (streamer.__main__)
+            gc.freeze()
+            gc.enable()
         return int(entry(cfg, args) or 0)
     except ConfigError as e:
         print(f"streamer {args.cmd}: config error: {e}", file=sys.stderr)

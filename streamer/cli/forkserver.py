@@ -16,7 +16,13 @@ also shows as one: its process name (``/proc/PID/comm``) is its role, and its co
 written over the server's own, which `up` pads to the longest of them.
 
 The server preloads, it never runs a model or a torch operation itself (a fork after torch
-has started its thread pools is unsafe). It exits when `up` closes its request pipe, once the
+has started its thread pools is unsafe). It imports with the cyclic garbage collector off and
+then freezes what it imported (``gc.freeze``), as Python's docs advise for a fork without
+exec: the collector's passes over the ~400,000 objects torch and transformers create cost
+~1 CPU second during the imports, and ~0.2 s each later full collection in every role, which
+also writes to every page of them and so copies the shared heap. A role turns the collector
+back on once its command is imported (:func:`streamer.cli.main`); it then scans only the
+objects made after the fork. It exits when `up` closes its request pipe, once the
 roles are started. Where any of this is not available (not Linux, the server fails to
 start or to answer), `up` starts each role the usual way: a fresh interpreter.
 """
@@ -24,6 +30,7 @@ start or to answer), `up` starts each role the usual way: a fresh interpreter.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -287,10 +294,12 @@ def main(argv: list[str]) -> int:
     from streamer import lifecycle
 
     lifecycle.take_finish_signal()  # a role's SIGUSR1 is kept from its first instruction
+    gc.disable()  # on again in each role, once its command is imported (streamer.cli.main)
     try:
         _preload(model)
     except Exception as e:  # a role that needs it reports it itself, in its own log
         print(f"streamer forkserver: preload incomplete: {e!r}", file=sys.stderr, flush=True)
+    gc.freeze()  # the roles' collections leave the preloaded heap (and its shared pages) alone
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a forked child could not use it
         print("streamer forkserver: CUDA was initialised by an import; not forking", file=sys.stderr)
