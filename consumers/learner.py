@@ -6,7 +6,10 @@ consumers/losses/) is ``ppo_minibatches`` optimizer steps:
 
 1. recompute the proximal log-probs of the whole batch once, without grad (and the frozen
    reference model's, when ``kl_coef > 0``), plus the policy entropy as a metric, all at
-   the sampler's temperature;
+   the sampler's temperature. The first minibatch's are its own update's forward, detached:
+   no weight has changed before it, and where the model has no dropout in training (a LoRA
+   adapter's ``dropout`` is the exception) that forward is the proximal policy's, so the
+   pass is skipped;
 2. split the batch into ``ppo_minibatches`` row slices; for each, accumulate gradients
    over micro-batches of ``micro_batch_size`` rows, or of rows bucketed by length up to
    ``micro_batch_tokens`` tokens (packed without padding where the attention allows it:
@@ -71,6 +74,8 @@ class Learner:
         dtype = precision.compute_dtype(cfg.precision, device=self.device, loaded=loaded)
         self.precision = precision.Precision(dtype, self.device)
         _disable_dropout(model)
+        # the first minibatch's update forward is its proximal one (see the module's docstring)
+        self.prox_from_update = not _stochastic_in_training(model)
         if cfg.gradient_checkpointing:  # transformers 5 renamed it; 4.x has only the old name
             enable = getattr(model, "activation_checkpointing_enable", None)
             (enable or model.gradient_checkpointing_enable)()
@@ -180,27 +185,33 @@ class Learner:
         ent_sum = 0.0
         if entropy:
             trained = weights > 0
-            ent_sum = float(
-                (losses.token_entropy(logits[trained], self.temperature) * weights[trained]).sum()
-            )
+            with torch.no_grad():  # a metric: no graph, in an update's forward too
+                ent = losses.token_entropy(logits[trained].detach(), self.temperature)
+                ent_sum = float((ent * weights[trained]).sum())
         return (logp if p is None else p.unpack(logp)), ent_sum
 
-    def _idle(self, whole: Batch, *, backward: bool) -> None:
+    def _idle(self, whole: Batch, *, backward: bool, proximal: bool = True) -> None:
         """A pass with no rows of this rank's (one row of ``whole``, zero loss), so
         that its collectives match the other ranks'."""
         row = whole.rows(slice(0, 1))
-        for model in (self.model,) if backward else (self.model, self.ref_model):
+        models = (self.model,) if backward else (self.model if proximal else None, self.ref_model)
+        for model in models:
             if model is not None:
                 logits = self.forward_logits(model, row)
                 if backward:
                     (logits.float().sum() * 0.0).backward()
 
     @torch.no_grad()
-    def prepare(self, batch: Batch, whole: Batch | None = None) -> tuple[Batch, float]:
+    def prepare(
+        self, batch: Batch, whole: Batch | None = None, *, proximal: bool = True
+    ) -> tuple[Batch, float]:
         """Fill ``prox_logp`` (and ``ref_logp``); returns the batch and its summed weighted entropy.
 
-        ``whole``: the minibatch ``batch`` is this rank's share of (sharded ranks pad passes)."""
+        ``whole``: the minibatch ``batch`` is this rank's share of (sharded ranks pad passes).
+        Without ``proximal`` only ``ref_logp`` is filled (its update fills ``prox_logp``)."""
         whole = batch if whole is None else whole
+        if not proximal and self.ref_model is None:
+            return batch, 0.0
         micros = self.micro_batches(batch) if batch.size else []
         training = self.model.training
         self.model.eval()  # no adapter dropout in the proximal policy
@@ -209,13 +220,14 @@ class Learner:
         ent_sum = 0.0
         for rows in self.strategy.passes(micros, whole, self.micro_batches):
             if rows is None:  # a data-parallel rank short of rows
-                self._idle(whole, backward=False)
+                self._idle(whole, backward=False, proximal=proximal)
                 continue
             mb = batch.rows(rows)
             t0 = self._clock()
-            logp, ent = self.token_logprobs(self.model, mb, entropy=True)
-            prox[rows] = _pad(logp, prox.shape[1])
-            ent_sum += ent
+            if proximal:
+                logp, ent = self.token_logprobs(self.model, mb, entropy=True)
+                prox[rows] = _pad(logp, prox.shape[1])
+                ent_sum += ent
             t1 = self._clock()
             self.phases["proximal_forward_seconds"] += t1 - t0
             if ref is not None:
@@ -224,7 +236,7 @@ class Learner:
         self.model.train(training)
         if batch.size == 0:  # a data-parallel rank's share of a small minibatch
             return batch, 0.0
-        return batch.replace(prox_logp=prox, ref_logp=ref), ent_sum
+        return batch.replace(prox_logp=prox if proximal else None, ref_logp=ref), ent_sum
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One trainer step on ``batch`` (``ppo_minibatches`` optimizer steps); returns its metrics."""
@@ -234,18 +246,22 @@ class Learner:
         minibatches = batch.split(self.cfg.ppo_minibatches)
         # every proximal log-prob before the first update; a rank prepares only its own rows
         mine, entropy = [], 0.0
-        for mb in minibatches:
-            prepared, ent = self.prepare(self.strategy.rows(mb), mb)
+        for i, mb in enumerate(minibatches):
+            prepared, ent = self.prepare(
+                self.strategy.rows(mb), mb, proximal=i > 0 or not self.prox_from_update
+            )
             mine.append(prepared)
             entropy += ent
-        entropy = self.strategy.sum_metrics({"e": entropy})["e"] / max(float(batch.weights.sum()), 1e-8)
         totals: dict[str, float] = {}
         for i, (mb, local) in enumerate(zip(minibatches, mine)):
             lr = self.lr_at(self.step * self.cfg.ppo_minibatches + i)  # counted in optimizer steps
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            for k, v in self._update(local, whole=mb).items():
+            out, ent = self._update(local, whole=mb)
+            entropy += ent
+            for k, v in out.items():
                 totals[k] = max(totals.get(k, 0.0), v) if k == "is_weight_max" else totals.get(k, 0.0) + v
+        entropy = self.strategy.sum_metrics({"e": entropy})["e"] / max(float(batch.weights.sum()), 1e-8)
         n = len(minibatches)
         if totals.get("optimizer_steps_skipped", 0.0) < n:  # else no weights changed: no step
             self.step += 1
@@ -261,24 +277,30 @@ class Learner:
             torch.cuda.synchronize(self.device)
         return time.monotonic()
 
-    def _update(self, mb: Batch, *, whole: Batch) -> dict[str, float]:
-        """Accumulate the minibatch's gradient over micro-batches, clip, step.
+    def _update(self, mb: Batch, *, whole: Batch) -> tuple[dict[str, float], float]:
+        """Accumulate the minibatch's gradient over micro-batches, clip, step; its metrics,
+        and the summed weighted entropy of its rows where its forward was their proximal one.
 
         ``mb`` is this rank's rows of the minibatch ``whole`` (all of it on one device); the
         loss is normalised by ``whole``'s denominator, so per-rank gradients add up exactly.
+        ``mb`` without ``prox_logp``: each micro-batch's own forward, detached, is it.
         """
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         denom = self.objective.normalizer(whole.weights)
         n_tok = max(float((whole.weights > 0).sum()), 1.0)
         out = {"loss": 0.0, "is_weight_max": 0.0}
+        proximal, ent_sum = mb.prox_logp is None, 0.0
         t0 = self._clock()
         micros = [mb.rows(rows) for rows in self.micro_batches(mb)] if mb.size else []
         for micro in self.strategy.passes(micros, whole, self.micro_batches):
             if micro is None:  # a data-parallel rank short of rows
                 self._idle(whole, backward=True)
                 continue
-            loss, stats = self.objective(self.token_logprobs(self.model, micro)[0], micro, denom=denom)
+            logp, ent = self.token_logprobs(self.model, micro, entropy=proximal)
+            if proximal:
+                micro, ent_sum = micro.replace(prox_logp=logp.detach()), ent_sum + ent
+            loss, stats = self.objective(logp, micro, denom=denom)
             self.precision.backward(loss)
             share = float((micro.weights > 0).sum()) / n_tok  # token share of this micro-batch
             out["loss"] += loss.item()
@@ -295,7 +317,7 @@ class Learner:
         out["optimizer_steps_skipped"] = float(skipped)
         self.phases["forward_backward_seconds"] += t1 - t0
         self.phases["optimizer_seconds"] += self._clock() - t1
-        return out
+        return out, ent_sum
 
 
 PHASES = (
@@ -320,6 +342,17 @@ def _disable_dropout(model) -> None:
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0
+
+
+def _stochastic_in_training(model) -> bool:
+    """Whether ``model`` computes otherwise in training mode than in eval mode: a dropout
+    left on (a LoRA adapter's), or a router's jitter noise (Mixtral-like mixtures of experts)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout) and m.p > 0:
+            return True
+        if any(float(getattr(m, name, 0.0) or 0.0) > 0 for name in ("jitter_noise", "router_jitter_noise")):
+            return True
+    return False
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:

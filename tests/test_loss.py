@@ -234,3 +234,37 @@ def test_kl_to_a_frozen_reference():
     assert not any(p.requires_grad for p in ref.parameters())
     with pytest.raises(ValueError):
         Learner(demo.build_model(0), TrainerSection(kl_coef=0.1))
+
+
+@pytest.mark.parametrize("variant", [{}, {"micro_batch_tokens": 40}, {"kl_coef": 0.1}])
+def test_the_first_minibatch_s_update_forward_is_its_proximal_policy(variant):
+    """Its update's own forward, detached, stands for the proximal pass: the same weights and
+    the same metrics as with the pass (entropy included), one forward fewer."""
+    batch = _fixed_batch(demo.build_model(0), seed=6, groups=4)
+    cfg = TrainerSection(lr=1e-2, ppo_minibatches=2, **variant)
+    runs = {}
+    for reuse in (True, False):
+        model = demo.build_model(0)
+        learner = Learner(model, cfg, ref_model=demo.build_model(0) if cfg.kl_coef else None)
+        assert learner.prox_from_update
+        learner.prox_from_update = reuse
+        metrics = [learner.train_step(batch) for _ in range(2)]
+        runs[reuse] = (metrics, {n: p.detach().clone() for n, p in model.named_parameters()})
+    (reused, w_reused), (passed, w_passed) = runs[True], runs[False]
+    for name, w in w_passed.items():
+        torch.testing.assert_close(w_reused[name], w, rtol=1e-4, atol=1e-6, msg=name)
+    timing = {k for k in reused[0] if k.endswith("_seconds")}
+    for a, b in zip(reused, passed):
+        assert set(a) == set(b)
+        for k in set(a) - timing:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+        assert a["ratio_mean"] != 1.0  # the second minibatch still saw moved weights
+
+
+def test_a_model_with_dropout_in_training_keeps_the_proximal_pass():
+    from streamer import lora
+    from streamer.config import LoraSection
+
+    plain = Learner(demo.build_model(0), TrainerSection())
+    dropped = Learner(lora.apply(demo.build_model(0), LoraSection(rank=4, dropout=0.1)), TrainerSection())
+    assert plain.prox_from_update and not dropped.prox_from_update
