@@ -228,6 +228,81 @@ def test_concurrent_engine_calls_on_a_local_model_are_batched():
     assert calls == [6] and all(got[i][0].token_ids == [i] for i in range(6))
 
 
+def _transport_batching(run_batch):
+    """A producer's Transport for an in-process model at 8 rows in flight, and its batcher."""
+    import types
+
+    from producers.transport import Transport
+
+    sampler = types.SimpleNamespace(sample_many=None, max_parallel=1)
+    trips = types.SimpleNamespace(pending=None)
+    transport = Transport(sampler, follower=None, trips=trips, concurrency=8, reward_concurrency=1)
+    transport._sample_batch = run_batch
+    from streamer.rollout.batching import MicroBatcher
+
+    return transport, MicroBatcher(run_batch, transport._settle)
+
+
+def test_a_batch_waits_for_the_rows_whose_redis_calls_are_in_flight(monkeypatch):
+    """Rows still in a claim or publish when a batch's first call comes join that batch once
+    the server answers, instead of making the next one."""
+    from producers import transport as transport_module
+    from streamer.rollout.batching import turns
+
+    monkeypatch.setattr(transport_module, "SETTLE", 60.0)  # bound only: the answer comes first
+    calls, got, answered = [], {}, threading.Event()
+
+    async def run_batch(prompts, **kw):
+        calls.append(sorted(p[0] for p in prompts))
+        return [[Completion([p[0]], [-1.0], "stop")] for p in prompts]
+
+    transport, batcher = _transport_batching(run_batch)
+    settings = dict(n=1, temperature=1.0, top_p=1.0, max_new_tokens=1)
+
+    async def row(i, *, redis_first: bool):
+        if redis_first:
+            await transport.redis(answered.wait, 30)
+        got[i] = await batcher.sample([i], **settings)
+
+    async def main():
+        transport.start()
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(lambda i=i: row(i, redis_first=True))
+            await turns()  # the three are in their Redis calls
+            tg.start_soon(lambda: row(3, redis_first=False))
+            await turns()  # the first call of the batch waits for them
+            assert calls == [] and transport._redis_calls == 3
+            answered.set()
+
+    anyio.run(main)
+    assert calls == [[0, 1, 2, 3]] and all(got[i][0].token_ids == [i] for i in range(4))
+
+
+def test_a_batch_waits_for_a_redis_call_that_does_not_answer_only_so_long(monkeypatch):
+    from producers import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "SETTLE", 0.05)
+    calls, stuck = [], threading.Event()
+
+    async def run_batch(prompts, **kw):
+        calls.append(len(prompts))
+        return [[Completion([p[0]], [-1.0], "stop")] for p in prompts]
+
+    transport, batcher = _transport_batching(run_batch)
+
+    async def main():
+        transport.start()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: transport.redis(stuck.wait, 30))
+            with anyio.fail_after(20):
+                await batcher.sample([7], n=1, temperature=1.0, top_p=1.0, max_new_tokens=1)
+            assert calls == [1]
+            stuck.set()
+
+    anyio.run(main)
+
+
 @pytest.mark.parametrize(
     "settings, rollout, on_the_loop",
     [
