@@ -104,6 +104,30 @@ def write_version(model, root: Path, version: int, *, dtype=None, untie: bool = 
     return final.as_uri(), sha
 
 
+_JSON: dict[tuple, tuple[dict, str]] = {}  # (type, id, how written) -> (its attributes then, text)
+_JSON_KEPT = 8
+
+
+def _json_text(obj, key: tuple, make) -> str:
+    """``make()``, the JSON transformers writes for ``obj`` (a model's or a generation
+    config), computed again only once one of ``obj``'s attributes has changed: transformers
+    diffs it against a fresh default config every time (~1 ms), and a run writes the same
+    config with every version."""
+    k = (type(obj), id(obj), *key)
+    hit = _JSON.get(k)
+    if hit is not None and hit[0] == obj.__dict__:
+        return hit[1]
+    text = make()
+    try:
+        state = copy.deepcopy(obj.__dict__)
+    except Exception:  # an attribute that cannot be copied: not remembered
+        return text
+    if len(_JSON) >= _JSON_KEPT:
+        _JSON.clear()
+    _JSON[k] = (state, text)
+    return text
+
+
 def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str, dict]:
     """model.safetensors (HF layout, tied tensors once) + config files; {file: {bytes, pieces}}.
     :class:`NonFinite` if a floating tensor holds inf or NaN (the directory is then incomplete).
@@ -131,17 +155,23 @@ def save(model, directory: Path, *, dtype=None, untie: bool = False) -> dict[str
     if dtype is not None:
         tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
     hashes, size = tensorfile.write(directory / WEIGHTS_FILE, tensors, {"format": "pt"}, finite_only=True)
-    config = base.config
-    if untie and tied:
-        config = copy.deepcopy(config)
-        config.tie_word_embeddings = False
-    if dtype is not None:
-        config = copy.deepcopy(config) if config is base.config else config
-        config.dtype = dtype  # transformers 5 (``torch_dtype`` in 4.x reads the same attribute)
-    config.to_json_file(directory / "config.json")
+
+    def written_config() -> str:
+        config = base.config
+        if untie and tied:
+            config = copy.deepcopy(config)
+            config.tie_word_embeddings = False
+        if dtype is not None:
+            config = copy.deepcopy(config) if config is base.config else config
+            config.dtype = dtype  # transformers 5 (``torch_dtype`` in 4.x reads the same attribute)
+        return config.to_json_string()
+
+    key = (bool(untie and tied), str(dtype))
+    (directory / "config.json").write_text(_json_text(base.config, key, written_config), encoding="utf-8")
     generation = getattr(base, "generation_config", None)
     if generation is not None and base.can_generate():
-        generation.to_json_file(directory / "generation_config.json")
+        text = _json_text(generation, (), generation.to_json_string)
+        (directory / "generation_config.json").write_text(text, encoding="utf-8")
     files = {WEIGHTS_FILE: {"bytes": size, "pieces": hashes}}
     for f in sorted(directory.glob("*.json")):
         files[f.name] = _listed(f)

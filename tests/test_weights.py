@@ -276,3 +276,31 @@ def test_a_version_with_a_nan_is_never_written_and_nothing_appears(tmp_path):
     with pytest.raises(weights.NonFinite, match="up_proj"):
         weights.write_version(model, tmp_path, 3, dtype=torch.float16)
     assert weights.versions(tmp_path) == [1] and [p.name for p in tmp_path.iterdir()] == ["v00000001"]
+
+
+def test_each_version_s_config_files_are_transformers_own_and_follow_a_changed_attribute(tmp_path):
+    """A run writes the same config with every version; what is written is what transformers
+    writes for it, cast or untied as asked, and a changed attribute shows in the next one."""
+    import copy
+
+    model = demo.build_model(0)
+    cases = [(None, False), (None, False), (torch.bfloat16, False), (None, True), (None, False)]
+    for i, (dtype, untie) in enumerate(cases):
+        ours, theirs = tmp_path / f"ours{i}", tmp_path / f"theirs{i}"
+        ours.mkdir()
+        theirs.mkdir()
+        weights.save(model, ours, dtype=dtype, untie=untie)
+        config = copy.deepcopy(model.config)
+        config.tie_word_embeddings = config.tie_word_embeddings and not untie
+        if dtype is not None:
+            config.dtype = dtype
+        config.to_json_file(theirs / "config.json")
+        model.generation_config.to_json_file(theirs / "generation_config.json")
+        for name in ("config.json", "generation_config.json"):
+            assert (ours / name).read_text() == (theirs / name).read_text(), (dtype, untie, name)
+    model.config.use_cache = not model.config.use_cache
+    (tmp_path / "changed").mkdir()
+    weights.save(model, tmp_path / "changed")
+    assert (
+        json.loads((tmp_path / "changed" / "config.json").read_text())["use_cache"] is model.config.use_cache
+    )
