@@ -1,5 +1,6 @@
 """streamer.cli.forkserver: a role forked from the preloaded server is the caller's own child,
-named and logged as if it had been started, and a server that is gone starts nothing.
+named and logged as if it had been started; a role that runs no model is forked before the
+server imports torch; and a server that is gone starts nothing.
 
 Each case runs in a process of its own (the launcher makes its caller a child subreaper,
 which would outlive the case in pytest's process)."""
@@ -22,12 +23,21 @@ from streamer.cli.forkserver import ForkServer
 
 case, log = sys.argv[1], Path(sys.argv[2])
 argv = [sys.executable, "-m", "streamer", "--help"]
-server = ForkServer.start(dict(os.environ), log.with_name("forkserver.log"), "demo", threading.Event(), 200)
+server = ForkServer.start(
+    dict(os.environ), log.with_name("forkserver.log"), "demo", threading.Event(), 200, models=("train",)
+)
+maps = Path(f"/proc/{server.proc.pid}/maps")
 out = {}
 if case == "gone":
     server.proc.kill()
     server.proc.wait()
+if case == "light first":
+    light = server.spawn("metrics", argv, log.with_name("metrics.log"))
+    out["light code"] = light.wait(60)
+    out["torch before"] = "libtorch" in maps.read_text()
 role = server.spawn("train", argv, log)
+if case == "light first":
+    out["torch after"] = "libtorch" in maps.read_text()
 out["spawned"] = role is not None
 out["broken"] = server.broken
 if role is not None:
@@ -71,3 +81,10 @@ def test_a_server_that_is_gone_forks_nothing_and_says_so(tmp_path):
     out = _call("gone", tmp_path)
     assert not out["spawned"] and out["broken"], out  # the caller starts the role the usual way
     assert not (tmp_path / "train.log").exists()
+
+
+def test_a_role_that_runs_no_model_is_forked_before_the_server_imports_torch(tmp_path):
+    out = _call("light first", tmp_path)
+    assert out["light code"] == 0 and "usage: streamer" in (tmp_path / "metrics.log").read_text(), out
+    assert not out["torch before"], out  # the exporter's process never held torch
+    assert out["torch after"] and out["spawned"] and out["code"] == 0, out

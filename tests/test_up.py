@@ -59,10 +59,12 @@ def test_up_stops_in_order_on_sigterm_and_resumes(tmp_path):
             assert up.proc.poll() is None, up.output()
             assert time.monotonic() < deadline, f"no checkpoint within {RUN:.0f} s"
             time.sleep(0.5)
-        # the roles that run a model were forked from one preloaded process (streamer.cli.forkserver),
-        # which has exited: each is up's own child, named and shown as the role it is
+        # the roles were forked from one preloaded process (streamer.cli.forkserver), which has
+        # exited: each is up's own child, named and shown as the role it is
         children = _children(up.proc.pid)
-        for name, role in (("train", " train "), ("eval", " eval "), ("produce-0", " produce ")):
+        roles = [("train", " train "), ("eval", " eval "), ("produce-0", " produce ")]
+        roles += [("metrics", " metrics "), ("archive", " archive ")]
+        for name, role in roles:
             assert any(c == name and role in cmd for c, cmd in children), children
         assert not any("forkserver" in cmd for _, cmd in children), children
         up.proc.send_signal(signal.SIGTERM)

@@ -1,8 +1,11 @@
-"""`up`'s launcher for the roles that run a model: one process imports torch, transformers,
-the model's class and the roles' code once, then forks the trainer, the evaluator and each
-producer from itself, instead of each of them importing it all again (~2.5-4 CPU seconds a
-process: torch, and transformers' model code with ``torch._dynamo``, ``torch.distributed``
-and sympy under it).
+"""`up`'s launcher for its roles: one process imports the roles' code once and forks each
+role from itself, instead of each of them importing it all again. It first imports what the
+roles that run no model need (the command line, the exporter, the archiver, the tracker:
+~0.3 CPU s a process) and forks those; at the first request for a role that runs a model
+it imports torch, transformers, the model's class and the model roles' code (~3 CPU s:
+torch, and transformers' model code with ``torch._dynamo``, ``torch.distributed`` and sympy
+under it), then forks the trainer, the evaluator and each producer. The exporter and the
+archiver never hold torch.
 
 Every forked role is still `up`'s own child, as if `up` had started it: `up` marks itself a
 child subreaper (``PR_SET_CHILD_SUBREAPER``) and the server forks twice, so the role is
@@ -49,7 +52,8 @@ log = logging.getLogger(__name__)
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 READY_TIMEOUT = 120.0  # seconds for the server's imports; past it the roles start the usual way
-PRELOAD = ("streamer.cli", "producers.producer", "producers.evaluator", "consumers.trainer")
+LIGHT = ("streamer.cli", "consumers.exporter", "consumers.archive", "consumers.tracker")
+MODELS = ("producers.producer", "producers.evaluator", "consumers.trainer")
 
 
 class Forked:
@@ -99,17 +103,28 @@ class Forked:
 class ForkServer:
     """`up`'s side: the server process and the pipes to it."""
 
-    def __init__(self, proc: subprocess.Popen, requests: int, replies, stop: threading.Event):
+    def __init__(
+        self, proc: subprocess.Popen, requests: int, replies, stop: threading.Event, models: tuple[str, ...]
+    ):
         self.proc, self._requests, self._replies, self._stop = proc, requests, replies, stop
+        self.models = models  # the roles that run a model (a name, or its prefix before a dash)
         self.broken = False
         self._unanswered: list[str] | None = None  # a request left when a stop came
 
     @classmethod
     def start(
-        cls, env: dict[str, str], log_path: Path, model: str, stop: threading.Event, room: int
+        cls,
+        env: dict[str, str],
+        log_path: Path,
+        model: str,
+        stop: threading.Event,
+        room: int,
+        *,
+        models: tuple[str, ...] = (),
     ) -> ForkServer | None:
-        """Start the server (it preloads ``model``'s class) with ``room`` bytes of command line
-        for its roles'; None where roles cannot be forked."""
+        """Start the server (it preloads ``model``'s class before the first of the roles
+        ``models``) with ``room`` bytes of command line for its roles'; None where roles
+        cannot be forked."""
         if not hasattr(os, "fork") or not prctl(PR_SET_CHILD_SUBREAPER, 1):
             return None
         req_r, req_w = os.pipe()
@@ -136,14 +151,15 @@ class ForkServer:
         finally:
             os.close(req_r)
             os.close(rep_w)
-        return cls(proc, req_w, os.fdopen(rep_r, "rb"), stop)
+        return cls(proc, req_w, os.fdopen(rep_r, "rb"), stop, models)
 
     def spawn(self, name: str, argv: list[str], log_path: Path) -> Forked | None:
         """Fork the role ``argv`` (``python -m streamer ...``) as ``name``; None if the server
         cannot (the caller starts it the usual way) or a stop was asked for meanwhile."""
         if self.broken:
             return None
-        request = {"name": name, "argv": argv, "log": str(log_path)}
+        model = name.split("-")[0] in self.models
+        request = {"name": name, "argv": argv, "log": str(log_path), "model": model}
         try:
             os.write(self._requests, json.dumps(request).encode() + b"\n")
             reply = self._reply(self._stop)
@@ -192,11 +208,29 @@ class ForkServer:
 # ---------------------------------------------------------------- the server process
 
 
-def _preload(model: str) -> None:
+def _import(modules: tuple[str, ...]) -> None:
     import importlib
 
-    for module in PRELOAD:
+    for module in modules:
         importlib.import_module(module)
+
+
+def _preload_models(model: str) -> None:
+    """The model roles' code and ``model``'s class, once; exits (1) where an import
+    initialised CUDA, which a forked child could not use (`up` then starts the rest itself)."""
+    try:
+        _import(MODELS)
+        _import_model_class(model)
+    except Exception as e:  # a role that needs it reports it itself, in its own log
+        print(f"streamer forkserver: preload incomplete: {e!r}", file=sys.stderr, flush=True)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        print("streamer forkserver: CUDA was initialised by an import; not forking", file=sys.stderr)
+        raise SystemExit(1)
+    gc.freeze()  # the roles' collections leave the preloaded heap (and its shared pages) alone
+
+
+def _import_model_class(model: str) -> None:
     from streamer import demo
 
     if model == demo.DEMO:
@@ -213,10 +247,14 @@ def _preload(model: str) -> None:
             getattr(transformers, name)
 
 
-def _serve(requests, replies: int) -> dict | None:
+def _serve(requests, replies: int, model: str) -> dict | None:
     """Fork a role for each request; the request, in the role's process; None at EOF."""
+    models = False
     for line in requests:
         request = json.loads(line)
+        if request.get("model") and not models:
+            _preload_models(model)
+            models = True
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -296,16 +334,12 @@ def main(argv: list[str]) -> int:
     lifecycle.take_finish_signal()  # a role's SIGUSR1 is kept from its first instruction
     gc.disable()  # on again in each role, once its command is imported (streamer.cli.main)
     try:
-        _preload(model)
+        _import(LIGHT)
     except Exception as e:  # a role that needs it reports it itself, in its own log
         print(f"streamer forkserver: preload incomplete: {e!r}", file=sys.stderr, flush=True)
-    gc.freeze()  # the roles' collections leave the preloaded heap (and its shared pages) alone
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():  # a forked child could not use it
-        print("streamer forkserver: CUDA was initialised by an import; not forking", file=sys.stderr)
-        return 1
+    gc.freeze()
     requests = os.fdopen(req, "r")
-    request = _serve(requests, rep)
+    request = _serve(requests, rep, model)
     requests.close()
     os.close(rep)
     return 0 if request is None else _become(request, up)

@@ -2,8 +2,8 @@
 
 Starts the embedded Valkey server (unless ``--redis-url``), then the metrics exporter,
 the trainer, the evaluator and N producers, all through the same entry points as
-``streamer train|produce|eval|metrics``; the roles that run a model are forked from one
-process that imported torch and transformers once (:mod:`streamer.cli.forkserver`). It
+``streamer train|produce|eval|metrics``, each forked from one process that imported the
+roles' code once, torch and transformers included (:mod:`streamer.cli.forkserver`). It
 prints a live progress view, and when the trainer has finished its steps (or the producers
 find every row set aside: nothing left to teach) it stops the rest in order and prints a
 summary.
@@ -304,21 +304,22 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
     progress = Progress(cfg, target_steps=args.steps or steps, live=not args.no_progress, started=started)
     progress.update()  # a resumed run: the steps trained before this `up`
     first_step, code, summary = progress.train_step, 0, ""
-    # the roles that run a model are forked from one process that imported torch and
-    # transformers once (streamer.cli.forkserver), after the others are started
+    # forked from one process that imported the roles' code once (streamer.cli.forkserver):
+    # the others first, then, once it has imported torch and transformers, the model roles
     ours = [sys.executable, "-m", "streamer"]
-    models = [(n, a) for n, a in specs if n.split("-")[0] in MODEL_ROLES and a[:3] == ours]
-    specs = [(n, a) for n, a in specs if (n, a) not in models] + models
+    forked = [(n, a) for n, a in specs if a[:3] == ours]
     forks = None
-    if models:
-        room = max(len("\0".join(a)) + 1 for _, a in models)
-        forks = ForkServer.start(env, logs / "forkserver.log", cfg.model.name_or_path, stop_requested, room)
+    if forked:
+        room = max(len("\0".join(a)) + 1 for _, a in forked)
+        forks = ForkServer.start(
+            env, logs / "forkserver.log", cfg.model.name_or_path, stop_requested, room, models=MODEL_ROLES
+        )
     try:
         try:
             for name, argv in specs:
                 if stop_requested.is_set():
                     break
-                launcher = forks if (name, argv) in models else None
+                launcher = forks if (name, argv) in forked else None
                 stack.children[name] = Child(name, argv, logs / f"{name}.log", forks=launcher)
                 stack.children[name].start(env)
         finally:

@@ -207,7 +207,7 @@ START_POINTS = [  # in the order `up` reaches them
     ("start", "valkey-server"),
     ("start", "metrics"),
     ("start", "archive"),
-    ("start", "train"),  # the roles that run a model: last, forked once the server has preloaded
+    ("start", "train"),  # the roles that run a model: last, once the fork server has imported torch
     ("start", "eval"),
     ("start", "produce"),  # the last child
 ]
