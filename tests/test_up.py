@@ -65,8 +65,10 @@ def test_up_stops_in_order_on_sigterm_and_resumes(tmp_path):
         roles = [("train", " train "), ("eval", " eval "), ("produce-0", " produce ")]
         roles += [("metrics", " metrics "), ("archive", " archive ")]
         for name, role in roles:
-            assert any(c == name and role in cmd for c, cmd in children), children
-        assert not any("forkserver" in cmd for _, cmd in children), children
+            assert any(c == name and role in cmd for c, cmd, _ in children), children
+        assert not any("forkserver" in cmd for _, cmd, _ in children), children
+        for name, _, maps in children:  # forked before the server imported torch
+            assert name not in ("metrics", "archive") or "libtorch" not in maps, name
         up.proc.send_signal(signal.SIGTERM)
         code = up.proc.wait(timeout=START)  # each child has up.GRACE_SECONDS, then is killed
     out = up.output()
@@ -82,15 +84,16 @@ def test_up_stops_in_order_on_sigterm_and_resumes(tmp_path):
     assert f"restored checkpoint step-{stopped_at:08d}" in log, log[-2000:]
 
 
-def _children(pid: int) -> list[tuple[str, str]]:
-    """(process name, command line) of each live child of ``pid``."""
+def _children(pid: int) -> list[tuple[str, str, str]]:
+    """(process name, command line, memory maps) of each live child of ``pid``."""
     out = []
     for proc in Path("/proc").iterdir():
         try:
             stat = (proc / "stat").read_text()
             if proc.name.isdigit() and int(stat.rpartition(")")[2].split()[1]) == pid:
                 cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                out.append((stat[stat.index("(") + 1 : stat.rindex(")")], cmd))
+                maps = (proc / "maps").read_text()
+                out.append((stat[stat.index("(") + 1 : stat.rindex(")")], cmd, maps))
         except OSError:
             continue
     return out

@@ -307,6 +307,7 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
     # forked from one process that imported the roles' code once (streamer.cli.forkserver):
     # the others first, then, once it has imported torch and transformers, the model roles
     ours = [sys.executable, "-m", "streamer"]
+    specs.sort(key=lambda spec: spec[0].split("-")[0] in MODEL_ROLES)  # stable: the others first
     forked = [(n, a) for n, a in specs if a[:3] == ours]
     forks = None
     if forked:
