@@ -215,7 +215,8 @@ class Learner:
         micros = self.micro_batches(batch) if batch.size else []
         training = self.model.training
         self.model.eval()  # no adapter dropout in the proximal policy
-        prox = torch.zeros_like(batch.weights)  # (B, T-1); micro-batches may take rows in any order
+        # (B, T-1); micro-batches may take rows in any order
+        prox = torch.zeros_like(batch.weights) if proximal else None
         ref = torch.zeros_like(batch.weights) if self.ref_model is not None else None
         ent_sum = 0.0
         for rows in self.strategy.passes(micros, whole, self.micro_batches):
@@ -236,7 +237,7 @@ class Learner:
         self.model.train(training)
         if batch.size == 0:  # a data-parallel rank's share of a small minibatch
             return batch, 0.0
-        return batch.replace(prox_logp=prox if proximal else None, ref_logp=ref), ent_sum
+        return batch.replace(prox_logp=prox, ref_logp=ref), ent_sum
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One trainer step on ``batch`` (``ppo_minibatches`` optimizer steps); returns its metrics."""

@@ -233,13 +233,11 @@ def _transport_batching(run_batch):
     import types
 
     from producers.transport import Transport
+    from streamer.rollout.batching import MicroBatcher
 
     sampler = types.SimpleNamespace(sample_many=None, max_parallel=1)
     trips = types.SimpleNamespace(pending=None)
     transport = Transport(sampler, follower=None, trips=trips, concurrency=8, reward_concurrency=1)
-    transport._sample_batch = run_batch
-    from streamer.rollout.batching import MicroBatcher
-
     return transport, MicroBatcher(run_batch, transport._settle)
 
 

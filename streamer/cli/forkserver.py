@@ -208,21 +208,24 @@ class ForkServer:
 # ---------------------------------------------------------------- the server process
 
 
-def _import(modules: tuple[str, ...]) -> None:
+def _import(modules: tuple[str, ...], model: str | None = None) -> None:
+    """``modules`` (and ``model``'s class); a failure is only logged: a role that needs what
+    failed reports it itself, in its own log."""
     import importlib
 
-    for module in modules:
-        importlib.import_module(module)
+    try:
+        for module in modules:
+            importlib.import_module(module)
+        if model is not None:
+            _import_model_class(model)
+    except Exception as e:
+        print(f"streamer forkserver: preload incomplete: {e!r}", file=sys.stderr, flush=True)
 
 
 def _preload_models(model: str) -> None:
     """The model roles' code and ``model``'s class, once; exits (1) where an import
     initialised CUDA, which a forked child could not use (`up` then starts the rest itself)."""
-    try:
-        _import(MODELS)
-        _import_model_class(model)
-    except Exception as e:  # a role that needs it reports it itself, in its own log
-        print(f"streamer forkserver: preload incomplete: {e!r}", file=sys.stderr, flush=True)
+    _import(MODELS, model)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         print("streamer forkserver: CUDA was initialised by an import; not forking", file=sys.stderr)
@@ -249,12 +252,12 @@ def _import_model_class(model: str) -> None:
 
 def _serve(requests, replies: int, model: str) -> dict | None:
     """Fork a role for each request; the request, in the role's process; None at EOF."""
-    models = False
+    loaded = False  # the model roles' code
     for line in requests:
         request = json.loads(line)
-        if request.get("model") and not models:
+        if request.get("model") and not loaded:
             _preload_models(model)
-            models = True
+            loaded = True
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -333,10 +336,7 @@ def main(argv: list[str]) -> int:
 
     lifecycle.take_finish_signal()  # a role's SIGUSR1 is kept from its first instruction
     gc.disable()  # on again in each role, once its command is imported (streamer.cli.main)
-    try:
-        _import(LIGHT)
-    except Exception as e:  # a role that needs it reports it itself, in its own log
-        print(f"streamer forkserver: preload incomplete: {e!r}", file=sys.stderr, flush=True)
+    _import(LIGHT)
     gc.freeze()
     requests = os.fdopen(req, "r")
     request = _serve(requests, rep, model)
