@@ -12,7 +12,7 @@ import pytest
 from bounds import RUN, START
 from runs import Up
 
-from streamer.cli.up import cores, default_producers
+from streamer.cli.up import Stack, cores, default_producers
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +44,43 @@ def test_up_runs_the_demo_learns_and_exits_0(tmp_path):
     assert f"; {n} producer{'s' if n > 1 else ''};" in out, out
     logs = sorted(p.name for p in (tmp_path / "demo" / "logs").glob("produce-*.log"))
     assert logs == [f"produce-{i}.log" for i in range(n)], logs
+
+
+@pytest.mark.parametrize("together", [(), ("train",)])
+def test_the_roles_stop_kind_by_kind_and_a_goal_reached_stops_the_trainer_with_the_producers(together):
+    """Each kind of role is stopped once the kinds before it have exited; ``together``: kinds
+    stopped at the same time as the producers."""
+    import threading
+
+    events, lock = [], threading.Lock()
+    train_stopping = threading.Event()
+
+    class Role:
+        def __init__(self, name):
+            self.kind = name.split("-")[0]
+
+        def stop(self):
+            with lock:
+                events.append(("start", self.kind))
+            if self.kind == "train":
+                train_stopping.set()
+            if self.kind == "produce" and together:  # the trainer's stop comes while this one runs
+                assert train_stopping.wait(timeout=5), "the trainer was not stopped with the producers"
+            with lock:
+                events.append(("end", self.kind))
+
+    Stack({n: Role(n) for n in ("metrics", "train", "eval", "produce-0")}).stop_children(
+        with_producers=together
+    )
+    waves = [("produce",), ("eval",), ("train",), ("metrics",)]
+    if together:
+        waves = [("produce", "train"), ("eval",), ("metrics",)]
+        assert events.index(("start", "train")) < events.index(("end", "produce")), events
+    at = 0
+    for wave in waves:  # a kind starts stopping only once every kind before it has stopped
+        got = events[at : at + 2 * len(wave)]
+        assert {k for _, k in got} == set(wave) and got[-1][0] == "end", events
+        at += 2 * len(wave)
 
 
 @pytest.mark.parametrize(("n_cores", "producers"), [(1, 1), (2, 1), (3, 2), (5, 4), (64, 4)])
@@ -116,4 +153,5 @@ def test_up_until_eval_stops_once_an_evaluation_reaches_the_target(tmp_path):
     out = up.output()
     assert code == 0, out
     assert re.search(r"eval accuracy \d\.\d\d >= 0: stopping", out), out
+    assert "stopping (producers and trainer, evaluator, archiver, exporter, server)" in out, out
     assert int(re.search(r"steps trained +(\d+)", out).group(1)) < 500, out

@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 
 MODEL_ROLES = ("train", "eval", "produce")
 FINAL_EVAL_WAIT = 60.0  # how long to wait for the evaluation of the final version
+# how often `up --until-eval` reads the evaluator's scores: each second of delay is ~10 more
+# versions of the demo trained (and their CPU spent) past the one that reached the target
+UNTIL_EVAL_TICK = 0.1
 
 
 @dataclass
@@ -71,9 +74,13 @@ class Stack:
 
     STOP_ORDER = ("produce", "eval", "engine", "train", "archive", "track", "metrics")
 
-    def stop_children(self) -> None:
-        for kind in self.STOP_ORDER:
-            group = [c for n, c in self.children.items() if n.startswith(kind)]
+    def stop_children(self, *, with_producers: tuple[str, ...] = ()) -> None:
+        """Stop every child, kind by kind in :attr:`STOP_ORDER`; ``with_producers``: kinds
+        stopped together with the producers instead (a run that reached its goal trains no
+        further while they stop)."""
+        first = ("produce", *with_producers)
+        for kinds in [first, *[k for k in self.STOP_ORDER if k not in first]]:
+            group = [c for n, c in self.children.items() if n.startswith(kinds)]
             threads = [threading.Thread(target=c.stop) for c in group]
             for t in threads:
                 t.start()
@@ -339,10 +346,18 @@ def _start_and_supervise(cfg: RunConfig, args, started: float, stack: Stack, sto
             progress.wait_for_eval(final, FINAL_EVAL_WAIT, stop_requested)
     finally:
         engine = "engine, " if "engine" in stack.children else ""
-        stopping = f"producers, evaluator, {engine}trainer, " + ("archiver, " if cfg.archive.enabled else "")
-        stopping += "tracker, " if cfg.tracking.backend else ""
+        # the goal reached: no version trained past it while the producers stop
+        goal = progress.reached_eval(args.until_eval)
+        stopping = (
+            f"producers and trainer, evaluator, {engine}"
+            if goal
+            else f"producers, evaluator, {engine}trainer, "
+        )
+        stopping += ("archiver, " if cfg.archive.enabled else "") + (
+            "tracker, " if cfg.tracking.backend else ""
+        )
         print(f"\nstreamer up: stopping ({stopping}exporter, server) ...", flush=True)
-        stack.stop_children()
+        stack.stop_children(with_producers=("train",) if goal else ())
         elapsed = time.monotonic() - started
         summary = progress.summary(elapsed, cfg.weights_dir)
         progress.record(cfg.run_dir / "curve.json", elapsed)
@@ -392,5 +407,5 @@ def _supervise(stack: Stack, progress: Progress, stop: threading.Event, *, until
                 return 0
             print(f"\nstreamer up: {progress.ended}; the trainer trains what arrived, then stops", flush=True)
             trainer.signal(signal.SIGUSR1)
-        stop.wait(1.0)
+        stop.wait(1.0 if until_eval is None else UNTIL_EVAL_TICK)
     return 0
