@@ -25,6 +25,7 @@ SIGTERM/SIGINT (producers/shutdown.py): rows in flight are finished if they can 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import socket
@@ -347,7 +348,12 @@ class Producer:
     async def _publish(self, ticket: int, group: TrajectoryGroup, values: dict[str, float]) -> Outcome:
         """The room check, the group, the row's record and its metrics event: one script
         (:mod:`producers.trips`), in one Redis call with the rare waits."""
-        outcome = await self.transport.redis(self.trips.publish, ticket, group, values, stop=self.stop)
+        publish = functools.partial(self.trips.publish, ticket, group, values, stop=self.stop)
+        outcome = Outcome.FULL
+        if self.transport.inline and not self.trips.may_block:  # one quick call, if there is room
+            outcome = await self.transport.redis(publish, wait=False)
+        if outcome is Outcome.FULL:  # waiting for room (or replicas) is a worker thread's
+            outcome = await self.transport.in_thread(publish)
         if outcome is Outcome.STOPPED:
             self._hand_back(ticket)  # stopping and no room: someone else publishes it later
         elif outcome is Outcome.PUBLISHED:

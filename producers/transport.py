@@ -4,16 +4,18 @@
   call runs in a worker thread (at most ``max_parallel`` at once), and so does every Redis
   call (at most the rows in flight + 2).
 - An in-process model: the engine calls of concurrent episodes are batched into one
-  ``sample_many`` (:class:`streamer.rollout.batching.MicroBatcher`). A batch's first call
-  waits until no Redis call of this producer is in flight (at most :data:`SETTLE` seconds):
-  the rows whose claim or publish is on its way then come on and join it, instead of each
-  wave of rows that finished a batch together being split between the next two or three
+  ``sample_many`` (:class:`streamer.rollout.batching.MicroBatcher`) in a worker thread, and
+  the Redis calls run on the event loop itself (``inline``). Each is one short script
+  (~0.1 ms to a local server), while a hop to a worker thread and back costs ~0.1-0.2 ms of
+  CPU more than the call (two thread wake-ups and the GIL's hand-overs, on top of the
+  generate's thread); the model's generate goes on meanwhile. A row's calls from its claim
+  to its engine call then run in one go, so the rows of a wave reach the batcher together
   (the bare generate costs ~2.6 ms of CPU for one row of the demo and ~1 ms a row for
-  eight). With one row in flight its
-  Redis calls run on the event loop itself: while one runs the loop has nothing else to
-  do, and a thread hop costs more CPU than the call. So do its engine calls, unbatched,
-  when the row's rollout does nothing else meanwhile either (``alone``: the built-in single
-  turn, one engine call per row, with no rollout timeout to enforce mid-call).
+  eight). A call that may wait long, the publish that finds no room in the stream (or waits
+  for replicas), goes to a worker thread. With one row in flight its engine calls run on
+  the loop too, unbatched, when the row's rollout does nothing else meanwhile
+  (``alone``: the built-in single turn, one engine call per row, with no rollout timeout to
+  enforce mid-call).
 
 Every engine call first loads a newer policy if there is one (the claim's reply says so,
 else the policy stream is read), under the :class:`~producers.inflight.WeightGate`, and its
@@ -29,10 +31,8 @@ import anyio
 from producers.follow import WeightFollower
 from producers.inflight import AdmissionWaits, WeightGate, blocking
 from producers.trips import Trips
-from streamer.rollout.batching import MicroBatcher, turns
+from streamer.rollout.batching import MicroBatcher
 from streamer.rollout.contract import Completion
-
-SETTLE = 0.005  # seconds a batch waits at most for the Redis calls in flight to answer
 
 
 class Transport:
@@ -54,11 +54,10 @@ class Transport:
         in_process = self.max_parallel == 1 and hasattr(sampler, "sample_many")
         alone = alone and concurrency == 1  # one engine call at a time: nothing to batch
         self.sample = (
-            MicroBatcher(self._sample_batch, self._settle).sample
-            if in_process and not alone
-            else self._sample_one
+            MicroBatcher(self._sample_batch).sample if in_process and not alone else self._sample_one
         )
-        self.redis = self._inline if in_process and concurrency == 1 else self._in_thread
+        self.inline = in_process  # Redis calls on the event loop (see above)
+        self.redis = self._inline if in_process else self.in_thread
         self._engine = self._inline if in_process and alone else self._engine_thread
 
     def start(self) -> None:
@@ -66,32 +65,15 @@ class Transport:
         self.gate = WeightGate(exclusive=self.max_parallel == 1)
         self.admission_waits = AdmissionWaits()
         self._redis_limiter = anyio.CapacityLimiter(self.concurrency + 2)
-        self._redis_calls = 0  # in worker threads now
-        self._redis_quiet = anyio.Event()  # set when the last of them answers
         self._sample_limiter = anyio.CapacityLimiter(self.max_parallel)
         self.reward_limiter = anyio.CapacityLimiter(self.reward_concurrency)
 
     async def _inline(self, fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
-    async def _in_thread(self, fn, *args, **kwargs):
-        if self._redis_calls == 0:
-            self._redis_quiet = anyio.Event()
-        self._redis_calls += 1
-        try:
-            return await blocking(fn, *args, limiter=self._redis_limiter, **kwargs)
-        finally:
-            self._redis_calls -= 1
-            if self._redis_calls == 0:
-                self._redis_quiet.set()
-
-    async def _settle(self) -> None:
-        """Until no Redis call is in flight and what its answers let run has run (the rows
-        it answered reach the engine), or :data:`SETTLE` seconds."""
-        with anyio.move_on_after(SETTLE):
-            while self._redis_calls:
-                await self._redis_quiet.wait()
-                await turns()
+    async def in_thread(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, a Redis call, in a worker thread (always: one that may wait)."""
+        return await blocking(fn, *args, limiter=self._redis_limiter, **kwargs)
 
     async def _engine_thread(self, fn, *args, **kwargs):
         return await blocking(fn, *args, limiter=self._sample_limiter, **kwargs)

@@ -55,6 +55,7 @@ class Outcome(enum.StrEnum):
     AGAIN = "again"  # claim again, with a new window of rows
     EXHAUSTED = "exhausted"  # every epoch claimed and finished
     NOTHING_TO_TEACH = "nothing to teach"  # every row is set aside and a last look taught nothing
+    FULL = "full"  # publish(wait=False): the stream had no room; nothing was published
 
 
 class Trips:
@@ -168,11 +169,13 @@ class Trips:
         values: dict[str, float],
         *,
         stop: threading.Event,
+        wait: bool = True,
     ) -> Outcome:
         """Publish ``group`` with its metrics event (``values``, with the seconds waited for
         room as ``backpressure_wait_seconds``): PUBLISHED (with ``bus.min_replicas``: on that
         many replicas), LOST (the lease was) or STOPPED (stopping, and no room: nothing
-        published, the caller hands the row back)."""
+        published, the caller hands the row back). Without ``wait``, FULL instead of waiting
+        for room (nothing published: call again with it); see :attr:`may_block`."""
         outcome, pass_rate = rows.outcome([s.reward for s in group.samples])
         row = (group.row, outcome, pass_rate) if outcome else None
         payload = encode(group)
@@ -189,6 +192,8 @@ class Trips:
             return out
 
         published = once(self.bus.max_unacked, 0.0)
+        if published is NO_ROOM and not wait:
+            return Outcome.FULL
         if published is NO_ROOM:
             waited = self.publisher.wait_for_room(stop.is_set)
             if stop.is_set() and unacked(self.client, self.keys.traj) >= self.bus.max_unacked:
@@ -205,6 +210,12 @@ class Trips:
         # row comes back when its lease expires, if the group is gone)
         replicated(self.client, self.keys.replicated, self.bus)
         return Outcome.PUBLISHED
+
+    @property
+    def may_block(self) -> bool:
+        """Whether even a :meth:`publish` that finds room may wait (for ``bus.min_replicas``
+        replicas to hold it)."""
+        return self.bus.min_replicas > 0
 
     def send_metrics(self, values: dict[str, float]) -> None:
         """A rollout metrics event with ``values`` and what is pending, at the current rollout

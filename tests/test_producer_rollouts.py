@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import re
 import threading
+import time
 
 import anyio
 import pytest
@@ -19,6 +20,7 @@ from producers.single_turn import single_turn
 from schemas import MetricsEvent, TrajectoryGroup, WeightSync, decode, encode
 from streamer import demo, weights
 from streamer.errors import ConfigError, EpisodeRejected
+from streamer.rollout.batching import MicroBatcher
 from streamer.rollout.contract import Completion, Episode, Segment, episodes
 from streamer.rollout.trajectory import Trajectory
 
@@ -228,77 +230,44 @@ def test_concurrent_engine_calls_on_a_local_model_are_batched():
     assert calls == [6] and all(got[i][0].token_ids == [i] for i in range(6))
 
 
-def _transport_batching(run_batch):
-    """A producer's Transport for an in-process model at 8 rows in flight, and its batcher."""
+def test_the_rows_of_a_wave_reach_one_batch_through_their_server_calls():
+    """An in-process model's Redis calls run on the event loop: rows that each make theirs
+    (a publish, a claim, an admission) before their engine call reach the batcher together."""
     import types
 
     from producers.transport import Transport
-    from streamer.rollout.batching import MicroBatcher
 
-    sampler = types.SimpleNamespace(sample_many=None, max_parallel=1)
-    trips = types.SimpleNamespace(pending=None)
-    transport = Transport(sampler, follower=None, trips=trips, concurrency=8, reward_concurrency=1)
-    return transport, MicroBatcher(run_batch, transport._settle)
-
-
-def test_a_batch_waits_for_the_rows_whose_redis_calls_are_in_flight(monkeypatch):
-    """Rows still in a claim or publish when a batch's first call comes join that batch once
-    the server answers, instead of making the next one."""
-    from producers import transport as transport_module
-    from streamer.rollout.batching import turns
-
-    monkeypatch.setattr(transport_module, "SETTLE", 60.0)  # bound only: the answer comes first
-    calls, got, answered = [], {}, threading.Event()
+    calls, got, loop = [], {}, threading.get_ident()
 
     async def run_batch(prompts, **kw):
         calls.append(sorted(p[0] for p in prompts))
         return [[Completion([p[0]], [-1.0], "stop")] for p in prompts]
 
-    transport, batcher = _transport_batching(run_batch)
+    def server_call():  # as long as a round trip to a local server takes
+        assert threading.get_ident() == loop, "a Redis call left the event loop"
+        time.sleep(0.002)
+
+    sampler = types.SimpleNamespace(sample_many=None, max_parallel=1)
+    transport = Transport(
+        sampler, follower=None, trips=types.SimpleNamespace(pending=None), concurrency=8, reward_concurrency=1
+    )
+    transport._sample_batch = run_batch
+    transport.sample = MicroBatcher(run_batch).sample
     settings = dict(n=1, temperature=1.0, top_p=1.0, max_new_tokens=1)
 
-    async def row(i, *, redis_first: bool):
-        if redis_first:
-            await transport.redis(answered.wait, 30)
-        got[i] = await batcher.sample([i], **settings)
+    async def row(i):
+        for _ in range(3):
+            await transport.redis(server_call)
+        got[i] = await transport.sample([i], **settings)
 
     async def main():
         transport.start()
         async with anyio.create_task_group() as tg:
-            for i in range(3):
-                tg.start_soon(lambda i=i: row(i, redis_first=True))
-            await turns()  # the three are in their Redis calls
-            tg.start_soon(lambda: row(3, redis_first=False))
-            await turns()  # the first call of the batch waits for them
-            assert calls == [] and transport._redis_calls == 3
-            answered.set()
+            for i in range(8):
+                tg.start_soon(row, i)
 
     anyio.run(main)
-    assert calls == [[0, 1, 2, 3]] and all(got[i][0].token_ids == [i] for i in range(4))
-
-
-def test_a_batch_waits_for_a_redis_call_that_does_not_answer_only_so_long(monkeypatch):
-    from producers import transport as transport_module
-
-    monkeypatch.setattr(transport_module, "SETTLE", 0.05)
-    calls, stuck = [], threading.Event()
-
-    async def run_batch(prompts, **kw):
-        calls.append(len(prompts))
-        return [[Completion([p[0]], [-1.0], "stop")] for p in prompts]
-
-    transport, batcher = _transport_batching(run_batch)
-
-    async def main():
-        transport.start()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: transport.redis(stuck.wait, 30))
-            with anyio.fail_after(20):
-                await batcher.sample([7], n=1, temperature=1.0, top_p=1.0, max_new_tokens=1)
-            assert calls == [1]
-            stuck.set()
-
-    anyio.run(main)
+    assert calls == [list(range(8))] and all(got[i][0].token_ids == [i] for i in range(8))
 
 
 @pytest.mark.parametrize(

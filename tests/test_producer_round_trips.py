@@ -5,6 +5,7 @@ check and the group's metrics event — a new policy version included."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 from producers.components import build
@@ -90,4 +91,34 @@ def test_a_full_stream_while_stopping_publishes_nothing_and_hands_the_row_back(
     assert client.xlen(keys.traj) == 2 and client.xlen(keys.metrics) == 0
     assert client.zcard(keys.leases) == 0 and client.lrange(keys.requeue, 0, -1) == [b"0"]
     assert int(client.get(keys.admitted) or 0) == 0, "the row's admission slot was given back"
+    p.close()
+
+
+def test_a_local_models_server_calls_run_on_the_event_loop_and_a_wait_for_room_in_a_thread(
+    client, keys, redis_url, tmp_path
+):
+    """The claim runs on the event loop (a hop to a thread costs more than the call); the
+    publish that finds the stream full waits for room in a worker thread, never on the loop."""
+    cfg = replace(_cfg(keys, redis_url, tmp_path, concurrency=8), bus={"max_unacked": 2})
+    client.xgroup_create(keys.traj, TRAINER_GROUP, id="0", mkstream=True)
+    for _ in range(2):
+        client.xadd(keys.traj, {b"d": b"waiting for the trainer"})
+    p, _ = _counted_producer(cfg)
+    threads, claim, wait_for_room = {}, p.trips.claim, p.trips.publisher.wait_for_room
+
+    def claim_here():
+        threads["claim"] = threading.get_ident()
+        return claim()
+
+    def wait_here(stop):
+        threads["wait"] = threading.get_ident()
+        entries = client.xreadgroup(TRAINER_GROUP, "trainer", {keys.traj: ">"})[0][1]
+        client.xack(keys.traj, TRAINER_GROUP, *[entry_id for entry_id, _ in entries])  # room
+        return wait_for_room(stop)
+
+    p.trips.claim, p.trips.publisher.wait_for_room = claim_here, wait_here
+    assert p.step() == "published"
+    assert threads["claim"] == threading.get_ident(), "the claim left the event loop"
+    assert threads["wait"] != threading.get_ident(), "the wait for room held the event loop"
+    assert client.xlen(keys.traj) == 3
     p.close()

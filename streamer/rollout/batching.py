@@ -8,10 +8,8 @@ one batched call; a server batches on its own, a local model does not. The
 settings and runs each group as one ``sample_many`` in a worker thread.
 
 The first caller yields a few times to the event loop, which lets every episode that is
-ready to sample submit too, then awaits ``settle`` (if given: the producer's waits until the
-rows whose Redis calls are in flight have had their answers and come on, see
-producers/transport.py), then generates. Calls arriving during a generate wait for the next
-batch.
+ready to sample submit too, then generates. Calls arriving during a generate wait for the
+next batch.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from streamer.rollout.contract import Completion
 
 # (prompts, n, settings) -> completions per prompt
 RunBatch = Callable[..., Awaitable[list[list[Completion]]]]
-Settle = Callable[[], Awaitable[None]]
 YIELDS = 3  # event-loop turns the first caller waits for others to join its batch
 
 
@@ -40,8 +37,8 @@ class _Call:
 
 
 class MicroBatcher:
-    def __init__(self, run_batch: RunBatch, settle: Settle | None = None):
-        self.run_batch, self.settle = run_batch, settle
+    def __init__(self, run_batch: RunBatch):
+        self.run_batch = run_batch
         self._queue: list[_Call] = []
         self._flushing = False
         self.batches = 0  # generate calls made (for tests and logs)
@@ -56,8 +53,6 @@ class MicroBatcher:
             try:
                 with anyio.CancelScope(shield=True):  # others wait on this batch: finish it
                     await turns()
-                    if self.settle is not None:
-                        await self.settle()
                     await self._flush()
             finally:
                 self._flushing = False
