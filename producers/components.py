@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from producers import envs, rewards
 from producers.dataset import check_required, load_rows
-from producers.judge import Judge
 from producers.mix import training_label, training_rows
 from producers.render import Renderer, stop_ids
 from producers.rollout_service import MAX_REPLY_BYTES, remote
@@ -61,6 +60,8 @@ def load_reward(cfg: RunConfig, path: str):
     """The reward function ``path`` names; "judge" is the built-in judge of ``[reward.judge]``,
     "math" and "reasoning_gym" are :mod:`producers.envs`' rewards."""
     if path == "judge":
+        from producers.judge import Judge  # aiohttp and httpx: ~0.17 s of imports a run without
+
         return Judge(cfg.reward.judge, concurrency=cfg.reward.concurrency)
     if path in envs.REWARDS:
         return envs.load_reward(path)
