@@ -134,15 +134,14 @@ def _to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int, max_versi
     if not _finite(episode.reward):
         raise EpisodeRejected("bad_reward", f"reward {episode.reward!r:.40} is not a finite number")
     single = len(spans) == 1 and spans[0].start == 0 and spans[0].end == len(logprobs)
-    n = len(segs[0].tokens)
-    return Sample.build(
-        prompt_ids=ids[:n],
-        completion_ids=ids[n:],
-        logprobs=lps,  # int32 and float32 already: packed as checked
+    return Sample(  # int32 and float32 already, as checked: packed as they are
+        tokens=memoryview(ids.tobytes()),
+        logprobs=memoryview(lps.tobytes()),
+        prompt_len=len(segs[0].tokens),
         reward=float(episode.reward),
         finish_reason=episode.finish_reason if episode.finish_reason in ("stop", "length") else "stop",
         version=min(s.version for s in spans),
-        mask=None if all(mask) else mask,
+        mask=None if all(mask) else memoryview(np.asarray(mask, np.uint8).tobytes()),
         spans=None if single else spans,
     )
 
@@ -193,7 +192,7 @@ def _token_ids(tokens: list, vocab_size: int) -> np.ndarray:
     else:
         if ids.ndim != 1:
             raise EpisodeRejected("bad_token", "token ids must be a flat list of integers")
-        if ids.min() >= 0 and ids.max() < vocab_size:
+        if ids.view(np.uint64).max() < vocab_size:  # a negative id is past 2**63 as unsigned
             return ids.astype(TOKEN_DTYPE)
         bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
     if not _integer(bad):
