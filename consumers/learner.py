@@ -90,7 +90,11 @@ class Learner:
         if cfg.micro_batch_tokens > 0:
             how = "packed without padding" if self.packing else "bucketed by length, padded (no packing)"
             log.info("micro-batches of up to %d tokens, %s", cfg.micro_batch_tokens, how)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
+        # foreach: one op per update over every tensor (torch's own choice on a GPU; on a CPU it
+        # loops tensor by tensor, ~0.5 ms more a step of the demo), with the same results
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay, foreach=True
+        )
 
     @classmethod
     def from_config(cls, cfg: RunConfig, dp: DataParallel | None = None) -> Learner:

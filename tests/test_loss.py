@@ -268,3 +268,20 @@ def test_a_model_with_dropout_in_training_keeps_the_proximal_pass():
     plain = Learner(demo.build_model(0), TrainerSection())
     dropped = Learner(lora.apply(demo.build_model(0), LoraSection(rank=4, dropout=0.1)), TrainerSection())
     assert plain.prox_from_update and not dropped.prox_from_update
+
+
+def test_the_optimizer_updates_all_tensors_at_once_with_torch_s_per_tensor_results():
+    """AdamW over every tensor in one op (foreach) gives the weights the per-tensor loop does."""
+    batch = _fixed_batch(demo.build_model(0), seed=7, groups=4)
+    weights = {}
+    for foreach in (True, False):
+        model = demo.build_model(0)
+        learner = Learner(model, TrainerSection(lr=1e-2, ppo_minibatches=2, weight_decay=0.1))
+        assert learner.optimizer.defaults["foreach"] is True
+        for group in learner.optimizer.param_groups:
+            group["foreach"] = foreach
+        for _ in range(3):
+            learner.train_step(batch)
+        weights[foreach] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, w in weights[False].items():
+        assert torch.equal(weights[True][name], w), name
