@@ -309,3 +309,32 @@ def test_survives_a_server_restart(private_valkey):
         loop.join(timeout=15)
         ex.close()
     assert not loop.is_alive(), "the loop did not stop within 15 s"
+
+
+def test_events_that_come_one_by_one_are_read_a_quarter_second_at_a_time(redis_url, client, keys):
+    """A producer's events come one a group: the exporter reads what came in the last
+    READ_GAP seconds at once, not one read (and one acknowledgement) per event."""
+    from consumers import exporter as exporter_module
+
+    ex = Exporter(make_cfg(redis_url, keys.run))
+    ex.bootstrap()
+    reads, consume = [], ex.consume
+    ex.consume = lambda block: reads.append(consume(block)) or reads[-1]
+    stop = threading.Event()
+    loop = threading.Thread(target=ex.run, args=(stop,), daemon=True)
+    loop.start()
+    pub = Publisher(client, keys, RunConfig().bus)
+    try:
+        started = time.monotonic()
+        for step in range(1, 41):  # 40 events over ~0.4 s, as a producer's arrive
+            pub.publish(keys.metrics, ev("rollout", step, "producer-a", tokens=1))
+            time.sleep(0.01)
+        wait_until(lambda: sum(ex.state.events.values()) == 40, timeout=20, what="the 40 events applied")
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        loop.join(timeout=15)
+        ex.close()
+    busy = [n for n in reads if n]
+    assert len(busy) <= took / exporter_module.READ_GAP + 2, f"{len(busy)} reads in {took:.2f} s: {busy}"
+    assert max(busy) > 1, busy
