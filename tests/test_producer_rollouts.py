@@ -251,7 +251,6 @@ def test_the_rows_of_a_wave_reach_one_batch_through_their_server_calls():
     transport = Transport(
         sampler, follower=None, trips=types.SimpleNamespace(pending=None), concurrency=8, reward_concurrency=1
     )
-    transport._sample_batch = run_batch
     transport.sample = MicroBatcher(run_batch).sample
     settings = dict(n=1, temperature=1.0, top_p=1.0, max_new_tokens=1)
 
