@@ -134,14 +134,14 @@ def _to_sample(episode: Episode, *, vocab_size: int, max_seq_len: int, max_versi
     if not _finite(episode.reward):
         raise EpisodeRejected("bad_reward", f"reward {episode.reward!r:.40} is not a finite number")
     single = len(spans) == 1 and spans[0].start == 0 and spans[0].end == len(logprobs)
-    return Sample(  # int32 and float32 already, as checked: packed as they are
-        tokens=memoryview(ids.tobytes()),
-        logprobs=memoryview(lps.tobytes()),
+    return Sample.packed(
+        ids,
+        lps,  # int32 and float32 already: packed as checked
         prompt_len=len(segs[0].tokens),
         reward=float(episode.reward),
         finish_reason=episode.finish_reason if episode.finish_reason in ("stop", "length") else "stop",
         version=min(s.version for s in spans),
-        mask=None if all(mask) else memoryview(np.asarray(mask, np.uint8).tobytes()),
+        mask=None if all(mask) else mask,
         spans=None if single else spans,
     )
 

@@ -131,10 +131,38 @@ class Sample(msgspec.Struct, frozen=True, tag="sample", kw_only=True, gc=False):
         tokens = np.concatenate(
             [np.asarray(prompt_ids, TOKEN_DTYPE), np.asarray(completion_ids, TOKEN_DTYPE)]
         )
-        return cls(
-            tokens=memoryview(tokens.tobytes()),
-            logprobs=memoryview(np.asarray(logprobs, LOGPROB_DTYPE).tobytes()),
+        return cls.packed(
+            tokens,
+            logprobs,
             prompt_len=len(prompt_ids),
+            reward=reward,
+            finish_reason=finish_reason,
+            version=version,
+            mask=mask,
+            spans=spans,
+            episode=episode,
+        )
+
+    @classmethod
+    def packed(
+        cls,
+        tokens,
+        logprobs,
+        *,
+        prompt_len: int,
+        reward: float,
+        finish_reason: FinishReason,
+        version: int,
+        mask=None,
+        spans: list[Span] | None = None,
+        episode: int | None = None,
+    ) -> Sample:
+        """The wire form of prompt + completion ``tokens`` in one sequence (int32 and float32
+        arrays are packed as they are, without a copy to convert them)."""
+        return cls(
+            tokens=memoryview(np.asarray(tokens, TOKEN_DTYPE).tobytes()),
+            logprobs=memoryview(np.asarray(logprobs, LOGPROB_DTYPE).tobytes()),
+            prompt_len=prompt_len,
             reward=float(reward),
             finish_reason=finish_reason,
             version=version,
